@@ -1,0 +1,99 @@
+"""Checkpoints: everything a run needs to continue as if it had never stopped.
+
+One file, ``checkpoint.pt`` in the run directory, written atomically (temp file + rename, so a
+kill during the write leaves the previous checkpoint intact) and read with
+``torch.load(weights_only=True)`` (a checkpoint is untrusted input). It holds the model and
+optimizer state dicts, the FP8 scaling policies' states, the data position (the number of
+completed steps: batch ``i`` is a pure function of the seed and ``i``, see
+:mod:`fp8sim.training.data`), the torch and Python RNG states, and the run config it belongs to.
+
+Policy states may contain numpy arrays, which ``weights_only`` loading refuses; they are stored
+as ``{"__ndarray__": tensor}`` and turned back into arrays on load.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["CHECKPOINT_NAME", "save_checkpoint", "load_checkpoint", "capture_rng", "restore_rng"]
+
+CHECKPOINT_NAME = "checkpoint.pt"
+_FORMAT_VERSION = 1
+
+
+def _to_storable(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": torch.from_numpy(np.ascontiguousarray(obj).copy()), "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: _to_storable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_storable(v) for v in obj)
+    return obj
+
+
+def _from_storable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if "__ndarray__" in obj:
+            return obj["__ndarray__"].numpy().astype(obj["dtype"], copy=True)
+        return {k: _from_storable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_from_storable(v) for v in obj)
+    return obj
+
+
+def capture_rng() -> dict:
+    """The torch (CPU) and Python ``random`` generator states."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    *,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policies: dict | None,
+    config: dict,
+) -> Path:
+    """Write the checkpoint after ``step`` completed steps; returns its path."""
+    path = Path(run_dir) / CHECKPOINT_NAME
+    payload = {
+        "version": _FORMAT_VERSION,
+        "step": int(step),
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "policies": _to_storable(policies),
+        "rng": capture_rng(),
+        "config": _to_storable(config),
+    }
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(run_dir: str | os.PathLike) -> dict:
+    """Read ``run_dir/checkpoint.pt`` (weights_only). Raises FileNotFoundError when absent."""
+    path = Path(run_dir) / CHECKPOINT_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if payload.get("version") != _FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint version {payload.get('version')!r}, expected {_FORMAT_VERSION}")
+    payload["policies"] = _from_storable(payload["policies"])
+    payload["config"] = _from_storable(payload["config"])
+    return payload

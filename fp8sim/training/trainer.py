@@ -1,0 +1,322 @@
+"""The training loop: one recipe, one backend, a run directory.
+
+A run directory holds ``config.json`` (the :class:`TrainConfig`), ``metrics.jsonl`` (one JSON
+object per step: ``step`` (1-based), ``loss`` (training cross-entropy of that step's batch, nats
+per byte, before the update), ``lr``, ``grad_norm`` (before clipping), ``step_time_s``,
+``tokens_per_s``, ``overflow``/``underflow`` (FP8 cast events of the step), and ``val_loss`` on
+evaluation steps), ``checkpoint.pt`` (see :mod:`fp8sim.training.checkpoint`) and, at the end,
+``run.json`` (summary: final losses, memory per parameter measured from the live tensors,
+event totals).
+
+Determinism: on CPU a run is a pure function of its config. Batches depend only on (seed, step),
+the model is initialised from the seed, and resuming restores model, optimizer, policies and RNG,
+so a killed-and-resumed run writes the same losses, bit for bit, as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from fp8sim.training.checkpoint import load_checkpoint, restore_rng, save_checkpoint
+from fp8sim.training.data import ByteCorpus, get_batch, load_corpus
+from fp8sim.training.fp8_linear import convert_to_fp8, get_fp8_state
+from fp8sim.training.model import GPT, GPTConfig
+from fp8sim.training.recipes import get_recipe
+
+__all__ = ["TrainConfig", "Trainer", "memory_per_parameter", "read_metrics", "BACKENDS"]
+
+BACKENDS = ("emulator", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines a run's numbers."""
+
+    recipe: str = "bf16"
+    backend: str = "emulator"  # FP8 backend; ignored by recipes without FP8 GEMMs
+    steps: int = 200
+    batch_size: int = 16
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at the last step
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global gradient norm (0: off)
+    seed: int = 0
+    eval_every: int = 50  # and at the last step; 0: only at the last step
+    eval_batches: int = 4
+    checkpoint_every: int = 50  # and at the last step; 0: only at the last step
+    data: str | None = None  # None: the Python standard library's .py sources
+    max_bytes: int = 16 * 2**20
+    model: GPTConfig = field(default_factory=GPTConfig)
+
+    def __post_init__(self) -> None:
+        get_recipe(self.recipe)  # validates the name
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("steps", "batch_size", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.model, dict):
+            object.__setattr__(self, "model", GPTConfig(**self.model))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of 1-based ``step``: linear warmup, then cosine to ``lr * min_lr_ratio``."""
+        if step <= self.warmup:
+            return self.lr * step / self.warmup
+        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
+        ratio = self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return self.lr * ratio
+
+
+def memory_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Bytes per parameter of weights, gradients and optimizer states, from the live tensors.
+
+    Counts each distinct tensor once (tied weights once). Gradients that do not exist (before
+    the first backward) count zero.
+    """
+    params = list({id(p): p for p in model.parameters()}.values())
+    n = sum(p.numel() for p in params)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    opt = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                opt += v.numel() * v.element_size()
+    return {
+        "parameters": n,
+        "weights": weights / n,
+        "grads": grads / n,
+        "optimizer": opt / n,
+        "total": (weights + grads + opt) / n,
+    }
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl`` (FileNotFoundError when absent)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a run directory?)")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Trainer:
+    """Builds model, optimizer and data for a :class:`TrainConfig` and trains in ``out_dir``.
+
+    ``resume=True`` continues from ``out_dir/checkpoint.pt``; its config must equal ``cfg``
+    exactly (the learning-rate schedule depends on ``steps``, batches on ``seed``, ...).
+    ``recorder`` (optional) gets ``begin_step(step)``/``end_step(step)``/``close()`` calls; see
+    :func:`fp8sim.training.record`.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        out_dir: str | os.PathLike,
+        *,
+        resume: bool = False,
+        corpus: ByteCorpus | None = None,
+        recorder_factory: Callable[[torch.nn.Module], Any] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.out = Path(out_dir)
+        self.recipe = get_recipe(cfg.recipe)
+        if self.recipe.optimizer != "adamw" or self.recipe.grad_comm != "none" or self.recipe.weight_storage != "fp32":
+            raise NotImplementedError(
+                f"recipe {cfg.recipe}: optimizer={self.recipe.optimizer}, grad_comm={self.recipe.grad_comm}, "
+                f"weight_storage={self.recipe.weight_storage} need the distributed FP8-LM trainer"
+            )
+        self.corpus = corpus if corpus is not None else load_corpus(cfg.data, max_bytes=cfg.max_bytes)
+        if cfg.model.block_size >= self.corpus.val.numel():
+            raise ValueError(f"block_size {cfg.model.block_size} does not fit the validation split")
+        torch.manual_seed(cfg.seed)
+        self.model = GPT(cfg.model)
+        if self.recipe.is_fp8:
+            convert_to_fp8(self.model, self.recipe, cfg.backend)
+        self.fp8 = get_fp8_state(self.model)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, foreach=False
+        )
+        self.start_step = 0
+        if resume:
+            self._resume()
+        elif (self.out / "metrics.jsonl").exists():
+            raise ValueError(f"{self.out} already holds a run; resume it or choose another output directory")
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        self.recorder = recorder_factory(self.model) if recorder_factory else None
+
+    # -- state ------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        ck = load_checkpoint(self.out)
+        if ck["config"] != self.cfg.to_dict():
+            diff = sorted(k for k, v in self.cfg.to_dict().items() if ck["config"].get(k) != v)
+            raise ValueError(f"{self.out}: checkpoint was written by a different config (differs in {diff})")
+        self.model.load_state_dict(ck["model"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        if self.fp8 is not None:
+            self.fp8.load_state_dict(ck["policies"])
+        restore_rng(ck["rng"])
+        self.start_step = ck["step"]
+        rows = [r for r in read_metrics(self.out) if r["step"] <= self.start_step]
+        self._write_metrics(rows, mode="w")
+
+    def _write_metrics(self, rows: list[dict], mode: str = "a") -> None:
+        with open(self.out / "metrics.jsonl", mode) as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+    def save(self, step: int) -> None:
+        save_checkpoint(
+            self.out,
+            step=step,
+            model=self.model,
+            optimizer=self.optimizer,
+            policies=self.fp8.state_dict() if self.fp8 is not None else None,
+            config=self.cfg.to_dict(),
+        )
+
+    # -- steps ------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.recipe.autocast == "bfloat16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self, step: int) -> dict:
+        """Run 1-based training ``step``; returns its metrics row."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        x, y = get_batch(self.corpus, "train", step - 1, cfg.batch_size, cfg.model.block_size, cfg.seed)
+        lr = cfg.lr_at(step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        if self.fp8 is not None:
+            self.fp8.step = step
+        if self.recorder is not None:
+            self.recorder.begin_step(step)
+        self.model.train()
+        with self._autocast():
+            _, loss = self.model(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.recorder is not None:
+            self.recorder.end_step(step)
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        dt = time.perf_counter() - t0
+        row = {
+            "step": step,
+            "loss": float(loss.detach()),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "step_time_s": dt,
+            "tokens_per_s": x.numel() / dt,
+        }
+        if self.fp8 is not None:
+            row.update(self.fp8.pop_events())
+        return row
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over ``eval_batches`` fixed batches (policies not updated)."""
+        cfg = self.cfg
+        self.model.eval()
+        if self.fp8 is not None:
+            self.fp8.observing = False
+        try:
+            losses = []
+            for i in range(cfg.eval_batches):
+                x, y = get_batch(self.corpus, "val", i, cfg.batch_size, cfg.model.block_size, cfg.seed)
+                with self._autocast():
+                    losses.append(float(self.model(x, y)[1]))
+        finally:
+            if self.fp8 is not None:
+                self.fp8.observing = True
+            self.model.train()
+        return sum(losses) / len(losses)
+
+    def run(self, *, progress: bool | None = None, stop_after: int | None = None) -> dict:
+        """Train from the current step to ``cfg.steps`` (or through ``stop_after``); returns the summary.
+
+        ``progress``: tqdm bar on stderr with loss and tokens/s (default: only on a terminal).
+        """
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        if progress is None:
+            progress = sys.stderr.isatty()
+        last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        bar = tqdm(
+            total=cfg.steps, initial=self.start_step, disable=not progress, desc=f"{cfg.recipe}/{cfg.backend}",
+            unit="step", file=sys.stderr, dynamic_ncols=True,
+        )
+        t_start = time.perf_counter()
+        row: dict = {}
+        try:
+            for step in range(self.start_step + 1, last + 1):
+                row = self.train_step(step)
+                final = step == cfg.steps
+                if final or (cfg.eval_every and step % cfg.eval_every == 0):
+                    row["val_loss"] = self.evaluate()
+                self._write_metrics([row])
+                if final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                    self.save(step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        finally:
+            bar.close()
+            if self.recorder is not None and last == cfg.steps:
+                self.recorder.close()
+        summary = self.summary(wall_s=time.perf_counter() - t_start)
+        if last == cfg.steps:
+            (self.out / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def summary(self, wall_s: float | None = None) -> dict:
+        rows = read_metrics(self.out)
+        vals = [r["val_loss"] for r in rows if "val_loss" in r]
+        return {
+            "config": self.cfg.to_dict(),
+            "recipe": self.recipe.to_dict(),
+            "parameters": self.model.num_params(),
+            "steps_done": rows[-1]["step"] if rows else 0,
+            "final_loss": rows[-1]["loss"] if rows else None,
+            "final_val_loss": vals[-1] if vals else None,
+            "overflow": sum(r.get("overflow", 0) for r in rows),
+            "underflow": sum(r.get("underflow", 0) for r in rows),
+            "memory_bytes_per_param": memory_per_parameter(self.model, self.optimizer),
+            "median_step_time_s": _median([r["step_time_s"] for r in rows]),
+            "wall_s": wall_s,
+            "corpus": {"source": self.corpus.source, "bytes": self.corpus.num_bytes, "files": self.corpus.num_files},
+        }
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
