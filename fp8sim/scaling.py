@@ -1,0 +1,452 @@
+"""amax -> scale -> cast, as small pure functions shared by analysis and training.
+
+Shapes. Every tensor is viewed as 2-D ``(M, N)``: ``N`` is the last axis, ``M`` the product of the
+others (a 1-D tensor is one row, a 0-d tensor is ``(1, 1)``). A granularity tiles that view:
+
+=================  ===================  ======================================================
+granularity        tile                 scale / amax array shape
+=================  ===================  ======================================================
+``tensor``         ``(M, N)``           ``()``  (0-d)
+``row``            ``(1, N)``           ``(M, 1)``
+``col``            ``(M, 1)``           ``(1, N)``
+``block:RxC``      ``(R, C)``           ``(ceil(M/R), ceil(N/C))``, e.g. ``block:1x128``,
+                                        ``block:128x128`` (DeepSeek-V3)
+``mx``/``mx:rceil`` ``(1, 32)``          ``(M, ceil(N/32))``, E8M0 shared scales (OCP MX)
+=================  ===================  ======================================================
+
+Ragged edges: a tile that runs past the array is cut at its edge ("padded logically"); nothing
+outside the array is read and the missing elements never enter a tile's amax.
+
+Scale rule (``scale_from_amax``, the multiplier applied before the cast), all in float32:
+``a = max(amax, epsilon)``; ``scale = (fmt.max / a) / 2**margin``; a scale that would be inf
+(tiny amax) becomes the float32 max; ``pow2=True`` then rounds it down to a power of two.
+amax 0, inf or NaN gives scale 1 (Transformer Engine's current-scaling convention; the stateful
+policies in :mod:`fp8sim.policies` keep their previous scale instead).
+
+MX rule (``mx_shared_scale``), per 32-element block, ``X = 2**e`` stored as E8M0:
+``floor`` (OCP MX v1.0 section 6.3): ``e = floor(log2(amax)) - emax_elem``; ``rceil`` (cuBLAS,
+Transformer Engine, cuDNN): ``e = ceil(log2(float32(amax * float32(1 / fmt.max))))``, i.e. the
+float32 descale rounded up to a power of two as ``cvt.rp.ue8m0`` does (it equals
+``ceil(log2(amax / fmt.max))`` except within one float32 ulp of a power of two). ``e`` is clamped
+to E8M0's range ``[-127, 127]`` (amax 0 gives ``2**-127``). A block holding a NaN or an inf has a
+NaN scale (E8M0 code 0xFF), as the MX spec says for NaN and hardware does for both.
+
+Cast (``quantize_scaled``): ``codes = encode(float32(float32(x) * scale))`` -- the input is taken
+to float32 first and the product rounded once to float32, as a GPU kernel does -- then encoded
+with the chosen rounding and overflow rule. ``scale_inv = float32(1 / scale)`` (MX: ``X``) and
+``dequantize`` returns ``decode(codes) * scale_inv`` rounded once to float32.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fp8sim.emulator import _as_numpy_float, decode, encode
+from fp8sim.formats import FloatFormat, get_format
+
+__all__ = [
+    "GRANULARITY_KINDS",
+    "MX_BLOCK",
+    "MX_RULES",
+    "Granularity",
+    "parse_granularity",
+    "compute_amax",
+    "scale_from_amax",
+    "mx_shared_scale",
+    "e8m0_codes",
+    "ScaledTensor",
+    "quantize_scaled",
+    "dequantize",
+]
+
+GRANULARITY_KINDS = ("tensor", "row", "col", "block", "mx")
+MX_BLOCK = 32
+MX_RULES = ("floor", "rceil")
+_E8M0_EMIN, _E8M0_EMAX = -127, 127
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+_BLOCK_RE = re.compile(r"^block:(-?\d+)x(-?\d+)$")
+
+
+# -- granularity -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Granularity:
+    """How a tensor's 2-D view is tiled into groups that share one scale.
+
+    Attributes:
+        kind: one of :data:`GRANULARITY_KINDS`.
+        block: ``(R, C)`` tile for ``block``; ``(1, 32)`` for ``mx``; None otherwise.
+        mx_rule: ``"floor"`` or ``"rceil"`` for ``mx``; None otherwise.
+    """
+
+    kind: str
+    block: tuple[int, int] | None = None
+    mx_rule: str | None = None
+
+    @property
+    def spec(self) -> str:
+        """Canonical spelling: ``parse_granularity(g.spec) == g``."""
+        if self.kind == "block":
+            return f"block:{self.block[0]}x{self.block[1]}"
+        if self.kind == "mx":
+            return "mx" if self.mx_rule == "floor" else f"mx:{self.mx_rule}"
+        return self.kind
+
+    def __str__(self) -> str:
+        return self.spec
+
+    def tile(self, m: int, n: int) -> tuple[int, int]:
+        """The tile ``(R, C)`` on a 2-D view of shape ``(m, n)`` (at least 1 x 1)."""
+        if self.kind == "tensor":
+            return max(m, 1), max(n, 1)
+        if self.kind == "row":
+            return 1, max(n, 1)
+        if self.kind == "col":
+            return max(m, 1), 1
+        return self.block
+
+    def grid(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of the amax / scale array for a tensor of ``shape`` (see the module table)."""
+        if self.kind == "tensor":
+            return ()
+        return self.grid2d(*view2d(shape))
+
+    def grid2d(self, m: int, n: int) -> tuple[int, int]:
+        """Groups along each axis of the 2-D view ``(m, n)`` (``(1, 1)`` for tensor)."""
+        if self.kind == "tensor":
+            return 1, 1
+        r, c = self.tile(m, n)
+        return -(-m // r), -(-n // c)
+
+
+def parse_granularity(spec: str | Granularity) -> Granularity:
+    """Parse ``"tensor"``, ``"row"``, ``"col"``, ``"block:RxC"``, ``"mx"``, ``"mx:floor"``,
+    ``"mx:rceil"``. Raises ValueError naming the valid spellings; block sizes must be >= 1."""
+    if isinstance(spec, Granularity):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"granularity must be a string, got {type(spec).__name__}")
+    key = spec.strip().lower()
+    if key in ("tensor", "row", "col"):
+        return Granularity(key)
+    if key in ("mx", "mx:floor"):
+        return Granularity("mx", (1, MX_BLOCK), "floor")
+    if key == "mx:rceil":
+        return Granularity("mx", (1, MX_BLOCK), "rceil")
+    match = _BLOCK_RE.match(key)
+    if match:
+        r, c = int(match.group(1)), int(match.group(2))
+        if r < 1 or c < 1:
+            raise ValueError(f"granularity {spec!r}: block sizes must be positive, got {r}x{c}")
+        return Granularity("block", (r, c))
+    raise ValueError(
+        f"unknown granularity {spec!r}; valid: tensor, row, col, block:RxC (R, C >= 1, e.g. "
+        "block:1x128, block:128x128), mx, mx:floor, mx:rceil"
+    )
+
+
+def view2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(M, N)``: the last axis, and the product of all others (1 for 0-d and 1-D)."""
+    if len(shape) == 0:
+        return 1, 1
+    return math.prod(shape[:-1]), shape[-1]
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+
+def _as_float32(x: Any) -> np.ndarray:
+    """``float32(x)`` as a numpy array: float16/bfloat16 widen exactly, float64 rounds once
+    (values beyond float32's range become +-inf). CPU torch tensors are accepted."""
+    arr, _ = _as_numpy_float(x)
+    return np.asarray(arr, dtype=np.float32)
+
+
+def _tile_stats(x2d: np.ndarray, gran: Granularity) -> tuple[np.ndarray, np.ndarray]:
+    """Per tile: (max |x| over the non-NaN elements, float32; NaN count, int64), grid2d shape.
+
+    ``np.fmax.reduceat`` over the tile starts: ragged last tiles are just shorter, nothing is
+    padded or read out of bounds. A tile of only NaNs (or an empty tensor) has amax 0 here.
+    """
+    m, n = x2d.shape
+    r, c = gran.tile(m, n)
+    if m == 0 or n == 0:
+        grid = gran.grid2d(m, n)
+        return np.zeros(grid, np.float32), np.zeros(grid, np.int64)
+    rows, cols = np.arange(0, m, r), np.arange(0, n, c)
+    mag = np.abs(x2d)
+    amax = np.fmax.reduceat(np.fmax.reduceat(mag, cols, axis=1), rows, axis=0)
+    isnan = np.isnan(x2d)
+    if isnan.any():
+        nans = np.add.reduceat(np.add.reduceat(isnan.astype(np.int64), cols, axis=1), rows, axis=0)
+        amax = np.where(np.isnan(amax), np.float32(0), amax)
+    else:
+        nans = np.zeros(amax.shape, np.int64)
+    return amax.astype(np.float32, copy=False), nans
+
+
+def _grid_out(a: np.ndarray, gran: Granularity) -> np.ndarray:
+    return a.reshape(()) if gran.kind == "tensor" else a
+
+
+def compute_amax(x: Any, granularity: str | Granularity = "tensor", *, ignore_nan: bool = False) -> np.ndarray:
+    """``max |float32(x)|`` per tensor / row / col / block (shapes: see the module table).
+
+    Inf is a valid amax. NaN propagates (a group holding a NaN has amax NaN, like ``torch.amax``
+    and the backends' ``amax``) unless ``ignore_nan=True``, which takes the max over the other
+    values (0 for a group of only NaNs). Returns float32.
+    """
+    gran = parse_granularity(granularity)
+    x32 = _as_float32(x)
+    m, n = view2d(x32.shape)
+    amax, nans = _tile_stats(x32.reshape(m, n), gran)
+    if not ignore_nan:
+        amax = np.where(nans > 0, np.float32(np.nan), amax).astype(np.float32)
+    return _grid_out(amax, gran)
+
+
+# -- scale rules -------------------------------------------------------------------------------
+
+
+def _pow2_floor(s: np.ndarray) -> np.ndarray:
+    """Largest power of two <= s for finite s > 0 (exact, subnormals included)."""
+    frac, exp = np.frexp(s)  # s = frac * 2**exp, 0.5 <= frac < 1
+    return np.ldexp(np.float32(1), exp - 1).astype(np.float32)
+
+
+def scale_from_amax(
+    amax: Any,
+    fmt: FloatFormat | str,
+    *,
+    margin: float = 0,
+    pow2: bool = False,
+    epsilon: float = 0.0,
+) -> np.ndarray:
+    """The multiplier that maps ``amax`` to ``fmt.max / 2**margin``, in float32, elementwise.
+
+    ``a = epsilon if amax < epsilon else amax``; ``s = float32(float32(fmt.max) / a)``;
+    ``s = float32(s / 2**margin)``; ``s = float32 max`` if ``s`` is inf (amax too tiny);
+    ``pow2``: ``s`` rounded down to a power of two (the mantissa bits dropped). amax 0, +inf or
+    NaN (after the epsilon clamp) gives ``s = 1``. Negative amax is an error.
+    Returns a float32 array of ``amax``'s shape (0-d for a scalar).
+    """
+    fmt = get_format(fmt)
+    a = np.array(amax, dtype=np.float32)
+    if np.any(a < 0):
+        raise ValueError("scale_from_amax: amax must be >= 0 (it is a maximum of |x|)")
+    margin = float(margin)
+    if not math.isfinite(margin) or abs(margin) > 126:
+        raise ValueError(f"scale_from_amax: margin must be finite with |margin| <= 126, got {margin}")
+    epsilon = float(epsilon)
+    if not (math.isfinite(epsilon) and epsilon >= 0):
+        raise ValueError(f"scale_from_amax: epsilon must be finite and >= 0, got {epsilon}")
+    a = np.where(a < np.float32(epsilon), np.float32(epsilon), a).astype(np.float32)
+    keep = ~np.isfinite(a) | (a == 0)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        s = np.float32(fmt.max) / np.where(keep, np.float32(1), a)
+        s = (s / np.float32(2.0**margin)).astype(np.float32)
+    s = np.where(np.isinf(s), _F32_MAX, s)
+    if pow2:
+        s = _pow2_floor(s)
+    return np.where(keep, np.float32(1), s).astype(np.float32)
+
+
+def mx_shared_scale(amax: Any, fmt: FloatFormat | str, rule: str = "floor") -> np.ndarray:
+    """The MX shared scale ``X = 2**e`` (float32, the block's ``scale_inv``) for block amaxes.
+
+    ``floor``: ``e = floor(log2(amax)) - fmt.emax`` (OCP MX v1.0: the largest power of two
+    <= amax divided by the largest power of two of the element format).
+    ``rceil``: ``e = ceil(log2(d))`` with ``d = float32(amax * float32(1 / fmt.max))``.
+    ``e`` is clamped to ``[-127, 127]``; amax 0 gives ``2**-127``; NaN or inf amax gives NaN.
+    Elements are then cast as ``x / X`` (``x * 2**-e``, exact in float32's normal range).
+    """
+    fmt = get_format(fmt)
+    if rule not in MX_RULES:
+        raise ValueError(f"unknown MX scale rule {rule!r}; valid: {', '.join(MX_RULES)}")
+    a = np.array(amax, dtype=np.float32)
+    finite = np.isfinite(a)
+    pos = finite & (a > 0)
+    safe = np.where(pos, a, np.float32(1))
+    if rule == "floor":
+        _, ex = np.frexp(safe)  # safe = f * 2**ex, 0.5 <= f < 1 -> floor(log2) = ex - 1
+        e = ex.astype(np.int64) - 1 - fmt.emax
+    else:
+        d = (safe * np.float32(1.0 / fmt.max)).astype(np.float32)
+        pos = pos & (d > 0)
+        d = np.where(d > 0, d, np.float32(1))
+        f, ex = np.frexp(d)
+        e = np.where(f == 0.5, ex - 1, ex).astype(np.int64)  # exact power of two: no round-up
+    e = np.where(pos, e, _E8M0_EMIN)
+    e = np.clip(e, _E8M0_EMIN, _E8M0_EMAX)
+    x = np.ldexp(np.float32(1), e).astype(np.float32)
+    return np.where(finite, x, np.float32(np.nan)).astype(np.float32)
+
+
+def e8m0_codes(scale_inv: Any) -> np.ndarray:
+    """E8M0 codes (uint8, ``e + 127``; NaN -> 0xFF) of power-of-two scales in ``[2**-127, 2**127]``."""
+    s = np.asarray(scale_inv, dtype=np.float32)
+    nan = np.isnan(s)
+    f, ex = np.frexp(np.where(nan, np.float32(1), s))
+    if np.any((f != 0.5) & ~nan):
+        raise ValueError("e8m0_codes: scales must be positive powers of two (or NaN)")
+    code = ex.astype(np.int64) - 1 + 127
+    if np.any(((code < 0) | (code > 254)) & ~nan):
+        raise ValueError("e8m0_codes: scales must lie in [2**-127, 2**127]")
+    return np.where(nan, 255, code).astype(np.uint8)
+
+
+# -- scaled tensors ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScaledTensor:
+    """A tensor cast to ``fmt`` with per-group scales: ``value = decode(code) * scale_inv``.
+
+    Attributes:
+        codes: ``fmt.code_dtype`` array of the original ``shape``.
+        scale_inv: float32 array, one entry per group (shapes: module table; 0-d for tensor).
+        fmt: the element format.
+        granularity: canonical granularity spec (``Granularity.spec``), e.g. ``"block:1x128"``.
+        shape: the original shape.
+        amax: the amax per group the scales came from (float32, NaN ignored except for MX),
+            None when the caller gave the scale.
+        nan_count: number of NaN inputs.
+    """
+
+    codes: np.ndarray
+    scale_inv: np.ndarray
+    fmt: FloatFormat
+    granularity: str
+    shape: tuple[int, ...]
+    amax: np.ndarray | None = None
+    nan_count: int = 0
+
+    def dequantize(self, dtype: Any = np.float32) -> np.ndarray:
+        """See :func:`dequantize`."""
+        return dequantize(self, dtype)
+
+    @property
+    def scale_inv_codes(self) -> np.ndarray:
+        """The E8M0 codes of an MX tensor's scales (uint8; 0xFF for a NaN block)."""
+        if parse_granularity(self.granularity).kind != "mx":
+            raise ValueError(f"scale_inv_codes: only MX tensors have E8M0 scales, not {self.granularity}")
+        return e8m0_codes(self.scale_inv)
+
+
+def _expand(grid: np.ndarray, gran: Granularity, m: int, n: int) -> np.ndarray:
+    """Per-group values spread to the 2-D view ``(m, n)`` (a scalar for tensor granularity)."""
+    if gran.kind == "tensor":
+        return np.asarray(grid, np.float32).reshape(())
+    r, c = gran.tile(m, n)
+    g = np.asarray(grid).reshape(gran.grid2d(m, n))
+    return np.repeat(np.repeat(g, r, axis=0)[:m], c, axis=1)[:, :n]
+
+
+def _given_scale(scale: Any, gran: Granularity, grid: tuple[int, ...]) -> np.ndarray:
+    s = np.asarray(scale, dtype=np.float32)
+    try:
+        s = np.broadcast_to(s, grid).astype(np.float32)
+    except ValueError:
+        raise ValueError(
+            f"quantize_scaled: scale of shape {np.shape(scale)} does not broadcast to the "
+            f"{gran.spec} scale shape {grid}"
+        ) from None
+    if not np.all(np.isfinite(s) & (s > 0)):
+        raise ValueError("quantize_scaled: scale must be finite and > 0")
+    if gran.kind == "mx":
+        e8m0_codes(np.float32(1) / s)  # raises unless 1/scale is an E8M0 value
+    return s
+
+
+def quantize_scaled(
+    x: Any,
+    fmt: FloatFormat | str,
+    granularity: str | Granularity = "tensor",
+    *,
+    scale: Any = None,
+    margin: float = 0,
+    pow2: bool = False,
+    epsilon: float = 0.0,
+    rounding: str = "rne",
+    saturate: bool = True,
+    seed: int | None = None,
+    srbits: int | None = None,
+) -> ScaledTensor:
+    """Cast ``x`` to ``fmt`` with one scale per group: ``encode(float32(float32(x) * scale))``.
+
+    ``scale=None``: just in time from each group's amax (:func:`scale_from_amax` with
+    ``margin``, ``pow2``, ``epsilon``; NaNs are counted and left out of the amax, then encode
+    as the format's NaN). For ``mx`` granularities the E8M0 rule applies instead (``margin``,
+    ``pow2`` and ``epsilon`` must stay at their defaults) and a block with a NaN or inf gets a
+    NaN scale; its elements are encoded as NaN (or as 0 in formats without NaN; the block's
+    NaN lives in its scale either way). A given ``scale`` (scalar or the scale shape) must be
+    finite and > 0 (for MX, ``1/scale`` must be an E8M0 value).
+
+    ``rounding``, ``saturate``, ``seed``, ``srbits`` go to :func:`fp8sim.encode` (stochastic
+    counter = flat C-order index of ``x``). Returns numpy arrays even for torch inputs.
+    """
+    fmt = get_format(fmt)
+    gran = parse_granularity(granularity)
+    x32 = _as_float32(x)
+    shape = tuple(x32.shape)
+    m, n = view2d(shape)
+    x2d = x32.reshape(m, n)
+    grid2d = gran.grid2d(m, n)
+    is_mx = gran.kind == "mx"
+    if is_mx and (margin != 0 or pow2 or epsilon != 0):
+        raise ValueError("quantize_scaled: margin/pow2/epsilon do not apply to mx (E8M0 scale rule)")
+    amax = None
+    if scale is None:
+        amax, nans = _tile_stats(x2d, gran)
+        nan_count = int(nans.sum())
+        if is_mx:
+            amax = np.where(nans > 0, np.float32(np.nan), amax).astype(np.float32)
+            scale_inv = mx_shared_scale(amax, fmt, gran.mx_rule)
+            mult = np.float32(1) / scale_inv  # exact: powers of two in [2**-127, 2**127]
+        else:
+            mult = scale_from_amax(amax, fmt, margin=margin, pow2=pow2, epsilon=epsilon)
+            scale_inv = (np.float32(1) / mult).astype(np.float32)
+    else:
+        nan_count = int(np.isnan(x2d).sum())
+        mult = _given_scale(scale, gran, grid2d)
+        scale_inv = (np.float32(1) / mult).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        y = (x2d * _expand(mult, gran, m, n)).astype(np.float32)
+    if is_mx and np.isnan(scale_inv).any():
+        bad = _expand(np.isnan(scale_inv), gran, m, n)
+        y = np.where(bad, np.float32(np.nan if fmt.has_nan else 0.0), y)
+    codes = encode(y.reshape(shape), fmt, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits)
+    return ScaledTensor(
+        codes=codes,
+        scale_inv=_grid_out(np.asarray(scale_inv, np.float32).reshape(grid2d), gran),
+        fmt=fmt,
+        granularity=gran.spec,
+        shape=shape,
+        amax=None if amax is None else _grid_out(amax, gran),
+        nan_count=nan_count,
+    )
+
+
+def dequantize(st: ScaledTensor, dtype: Any = np.float32) -> np.ndarray:
+    """``decode(codes) * scale_inv`` per element: exact in float64, rounded once for float32.
+
+    Other dtypes (float16, bfloat16) are cast from the float32 result, as a GPU kernel that
+    computes in float32 does. NaN scales (MX) make their whole block NaN.
+    """
+    dtype = np.dtype(dtype)
+    gran = parse_granularity(st.granularity)
+    m, n = view2d(st.shape)
+    values = decode(st.codes, st.fmt, dtype=np.float64).reshape(m, n)
+    out = values * _expand(np.asarray(st.scale_inv, np.float64), gran, m, n)
+    out = out.reshape(st.shape)
+    if dtype == np.float64:
+        return out
+    with np.errstate(over="ignore"):
+        out32 = out.astype(np.float32)
+    return out32 if dtype == np.float32 else out32.astype(dtype)
