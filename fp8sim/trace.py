@@ -18,8 +18,8 @@ amax, scale, overflow, underflow``, plus a sparse histogram per row (``hist_offs
 ``hist_bins`` / ``hist_counts``).
 
 Scale convention: ``scale`` is the multiplier applied before the cast, as in
-``fp8sim.scaling``: ``codes = encode(float32(x * float32(scale)))``, the product rounded once to
-float32. ``overflow`` counts finite values whose scaled magnitude rounds above ``fmt.max``
+``fp8sim.scaling``: ``codes = encode(float32(float32(x) * float32(scale)))`` -- the input taken
+to float32, the product rounded once to float32, as a GPU kernel does. ``overflow`` counts finite values whose scaled magnitude rounds above ``fmt.max``
 (whatever the saturation rule then does with them); ``underflow`` counts nonzero values that
 round to zero. Both follow the trace's ``rounding`` (``rne`` by default; ``rna`` and ``rtz`` are
 also understood) unless the recorder passed measured counts.
@@ -40,9 +40,12 @@ thresholds, divided by ``2**j``, are lower edges of an exact bin: values above a
 whole bins, values equal to it (the tie, decided by the rounding rule) are exactly the exact bin.
 ``k = 5`` (the default) covers every 8-bit format (e3m4 has the most mantissa bits, 4).
 
-Exactness holds for float32/bfloat16/float16 inputs and for float64 inputs whose |x| lies in
-float32's normal range. Two sentinel binades catch the rest: ``e = EXPONENT_MIN`` holds nonzero
-values whose float32 is 0, ``e = EXPONENT_MAX`` finite values whose float32 is inf.
+Exactness holds for every input dtype, because the cast sees ``float32(x)`` too (float64 inputs
+are rounded to float32 first). Two sentinel binades hold float64 values outside float32's range:
+``e = EXPONENT_MIN`` nonzero values whose float32 is 0 (they underflow under any scale),
+``e = EXPONENT_MAX`` finite values whose float32 is inf (they overflow under any scale). Exactness
+needs the scaled threshold values in float32's normal range: true for every 8-bit format and any
+scale with ``|log2 scale| < 100``.
 
 Atomicity: every file is written to a temporary name in the same directory, fsync'ed and moved
 into place with ``os.replace``. A chunk contains whole steps only and a step never spans two
@@ -228,7 +231,7 @@ def _abs_hist_kernel(x, scale, ov_at, ov_tie, un_at, un_tie, k, n_bins, n_parts)
                 m = int(f)
                 b = ((ex - 1 - EXPONENT_MIN) << (k + 1)) + 2 * m + (1 if f != m else 0)
             hist[p, b] += 1
-            q = np.float64(np.float32(a * scale))
+            q = np.float64(np.float32(a32 * scale))  # float32(float32(x) * scale)
             if q > ov_at or (ov_tie and q == ov_at):
                 over += 1
             elif q < un_at or (un_tie and q == un_at):
@@ -664,7 +667,7 @@ class TraceWriter:
     ) -> None:
         """Record tensor ``name`` at ``step``: one numba pass over ``x`` (numpy array or torch
         tensor, any float dtype, any device) computes the |x| histogram, zero/NaN/inf counts and
-        the overflow/underflow counts of ``encode(float32(x * float32(scale)))`` in ``fmt``
+        the overflow/underflow counts of ``encode(float32(float32(x) * float32(scale)))`` in ``fmt``
         (default: the catalogue's) under the trace's rounding.
 
         ``amax``: the amax the scaling policy saw (default: max finite |x|). ``overflow``,

@@ -58,7 +58,7 @@ def ref_round(p: np.ndarray, fmt_name: str, rounding: str = "rne") -> np.ndarray
 
 
 def ref_counts(x32: np.ndarray, scale: float, fmt_name: str, rounding: str = "rne"):
-    """(overflow, underflow) of encode(float32(x * float32(scale))) by the float64 reference."""
+    """(overflow, underflow) of encode(float32(float32(x) * float32(scale))), float64 reference."""
     f = get_format(fmt_name)
     fin = np.isfinite(x32)
     with np.errstate(over="ignore"):
@@ -289,3 +289,20 @@ def test_histogram_object_checks():
         AbsHistogram(np.zeros(2, np.uint32), np.zeros(3, np.int64), 5)
     h = abs_histogram(np.array([0.0, 1.0, 2.0, np.nan], np.float32))
     assert (h.numel, h.nonzero, h.zero, h.nan) == (4, 2, 1, 1)
+
+
+def test_recorded_counts_match_quantize_scaled_for_float64(tmp_path):
+    scaling = pytest.importorskip("fp8sim.scaling")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(3000) * np.exp2(rng.integers(-25, 12, 3000))
+    scale = 37.3
+    with TraceWriter(tmp_path / "t") as tw:
+        tw.add_tensor("a", "activation", "e4m3", x.shape)
+        tw.record(0, "a", x, scale=scale)
+    rec = TraceReader(tmp_path / "t").record(0, "a")
+    st = scaling.quantize_scaled(x, "e4m3", scale=np.float32(scale), saturate=True)
+    q = np.abs(st.dequantize())
+    assert rec.underflow == int(((x != 0) & (q == 0)).sum())
+    # saturating cast: overflowed values land on max; the reference rounding separates them
+    assert (rec.overflow, rec.underflow) == ref_counts(x.astype(np.float32), scale, "e4m3")
+    assert rec.overflow == int((np.abs(x.astype(np.float32) * np.float32(scale)) > 464).sum())
