@@ -1,0 +1,64 @@
+"""fp8sim command line: ``fp8sim <command> ...``.
+
+Thin by design: each subcommand lives in its own module exposing ``register(subparsers)`` (adds
+its parser and sets ``func``) and the ``func(args) -> int`` it points to. This file only wires them,
+turns known errors into one line on stderr with exit code 2, and never prints a traceback unless
+``FP8SIM_DEBUG=1``.
+
+Exit codes: 0 ok, 1 a ``--fail-on`` threshold was crossed, 2 bad input or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+__all__ = ["main", "build_parser", "COMMAND_MODULES"]
+
+#: one module per subcommand group, in the order `fp8sim --help` lists them
+COMMAND_MODULES = [
+    "fp8sim.commands.formats",  # formats
+    "fp8sim.commands.cast",  # cast
+    "fp8sim.commands.conformance",  # conformance
+    "fp8sim.training.commands",  # train, compare
+]
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fp8sim",
+        description="Bit-exact FP8 emulation, analysis, policy replay and FP8 training.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError, UsageError) as exc:
+        if os.environ.get("FP8SIM_DEBUG") == "1":
+            raise
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"fp8sim {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fp8sim {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

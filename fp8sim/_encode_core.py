@@ -1,0 +1,361 @@
+"""The numba core of the emulator: round one value to a narrow-format code, from its bits.
+
+A finite input is taken apart exactly as ``value = sig * 2**(e - p)`` (``sig`` an integer with its
+leading bit at position ``p`` for normal inputs; ``e`` the unbiased exponent): from the float32
+or float64 bit pattern directly, so float64 inputs are never rounded through float32.
+
+Rounding works on the code itself: the target's quantum at exponent ``e`` is
+``2**(max(e, emin) - m)``; the kept significand ``sig >> shift`` added to the code of the
+binade's start gives the truncated code, and an increment moves to the next code. Codes of one
+sign increase with magnitude, so the carry out of the mantissa into the exponent -- and out of
+the largest binade into "overflow" -- falls out of plain integer addition.
+
+Rounding modes (ids in ``ROUNDING_IDS``):
+
+* ``rne`` nearest, ties to the even significand (the even code when m >= 1; E8M0, whose
+  significands are all 1, rounds ties up); ``rna`` nearest, ties away from zero;
+* ``rtz`` toward zero; ``up`` toward +inf; ``down`` toward -inf;
+* ``odd`` round to odd: truncate, then set the code's lowest bit if anything was discarded
+  (never overflows, like ``rtz``);
+* ``stochastic``: with ``k`` random bits ``r``, away from zero iff
+  ``floor(discarded_fraction * 2**k) + r >= 2**k``.
+
+Overflow ("round first, then compare with max"): a rounded code above the largest finite code is
+clamped to max when saturating, and always for the modes that round toward zero at that sign
+(``rtz``, ``odd``, ``up`` for negatives, ``down`` for positives); otherwise it becomes inf where the
+format has inf, else NaN, else the ``ERR_OVERFLOW`` sentinel (formats with no NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from fp8sim._jit import jit_kernel, jit_scalar
+from fp8sim.philox import randint_scalar
+
+__all__ = [
+    "ERR_NAN",
+    "ERR_OVERFLOW",
+    "encode_fields",
+    "encode_value",
+    "encode_f32_kernel",
+    "encode_f64_kernel",
+    "decode_kernel",
+]
+
+ERR_NAN = -1  # NaN input, format has no NaN
+ERR_OVERFLOW = -2  # overflow or inf, format has neither inf nor NaN, not saturating
+
+# mode ids -- keep in sync with emulator.ROUNDING_IDS
+RNE, RNA, RTZ, UP, DOWN, ODD, STOCHASTIC = 0, 1, 2, 3, 4, 5, 6
+
+# params tuple layout (see emulator.format_params)
+# (mbits, emin, max_code, sign_mask, signed, has_subnormals, nan_kind, nan_code, inf_code)
+# nan_kind: 0 ieee, 1 fn, 2 fnuz, 3 none ; inf_code -1 when the format has no inf
+
+
+@jit_scalar
+def _nan_code(neg, params):
+    """The format's NaN with the input's sign where the format can carry it."""
+    sign_mask = params[3]
+    nan_kind = params[6]
+    nan_code = params[7]
+    if nan_kind == 3:
+        return ERR_NAN
+    if nan_kind == 2:  # fnuz: the single NaN is the negative-zero code
+        return nan_code
+    if neg and params[4]:
+        return nan_code | sign_mask
+    return nan_code
+
+
+@jit_scalar
+def _overflow_code(neg, params, saturate):
+    """Result of an overflow that rounds away from zero (or of an infinite input)."""
+    max_code = params[2]
+    sign_mask = params[3]
+    sign = sign_mask if (neg and params[4]) else 0
+    if saturate:
+        return max_code | sign
+    if params[8] >= 0:
+        return params[8] | sign
+    if params[6] == 3:
+        return ERR_OVERFLOW
+    return _nan_code(neg, params)
+
+
+@jit_scalar
+def encode_fields(neg, is_nan, is_inf, e, sig, p, params, mode, saturate, r, k):
+    """Code of ``(-1)**neg * sig * 2**(e - p)`` (or of NaN/inf) -- see the module docstring.
+
+    ``sig`` (< 2**(p+1)) is the input significand, ``e`` its unbiased exponent; ``sig == 0`` is a
+    zero. ``r`` is a uint32 random word (top ``k`` bits used) for stochastic rounding.
+    Returns the code (>= 0) or ``ERR_NAN`` / ``ERR_OVERFLOW``.
+    """
+    mbits = params[0]
+    emin = params[1]
+    max_code = params[2]
+    sign_mask = params[3]
+    signed = params[4]
+    has_sub = params[5]
+    nan_kind = params[6]
+
+    if is_nan:
+        return _nan_code(neg, params)
+    if neg and not signed and (is_inf or sig != 0):
+        return _nan_code(neg, params)  # unsigned format: a negative number has no code
+    if is_inf:
+        return _overflow_code(neg, params, saturate)
+    if sig == 0:
+        if neg and signed and has_sub and nan_kind != 2:
+            return sign_mask  # negative zero
+        return 0  # +0, FNUZ's only zero, or E8M0's smallest value (it has no zero)
+
+    if not has_sub and e < emin:
+        # no zero and no subnormals (E8M0): anything below the smallest value becomes it
+        return 0
+
+    # -- split sig at the target quantum ------------------------------------------------
+    q_e = e if e > emin else emin
+    shift = (p - mbits) + (q_e - e)  # > 0 for every supported input/format pair
+    if shift >= 64:
+        kept = np.int64(0)
+        above = False
+        tie = False
+        inexact = True
+        top = np.int64(0)
+        if shift - k < 64:
+            top = np.int64(sig >> np.uint64(shift - k))
+    else:
+        ushift = np.uint64(shift)
+        kept = np.int64(sig >> ushift)
+        rem = sig & ((np.uint64(1) << ushift) - np.uint64(1))
+        half = np.uint64(1) << np.uint64(shift - 1)
+        above = rem > half
+        tie = rem == half
+        inexact = rem != 0
+        if shift >= k:
+            top = np.int64(rem >> np.uint64(shift - k))
+        else:
+            top = np.int64(rem << np.uint64(k - shift))
+
+    base = np.int64(q_e - emin) << mbits
+    if not has_sub:
+        base -= np.int64(1) << mbits  # the implicit bit of binade 0 is not code 2**m
+    code = base + kept
+
+    # -- round ----------------------------------------------------------------------------
+    if inexact:
+        if mode == RNE:
+            # ties go to the even significand; for m >= 1 that is the even code, for m = 0
+            # (E8M0) every significand is 1, so ties round up (as ml_dtypes and torch do)
+            if above or (tie and (kept & 1) == 1):
+                code += 1
+        elif mode == RNA:
+            if above or tie:
+                code += 1
+        elif mode == UP:
+            if not neg:
+                code += 1
+        elif mode == DOWN:
+            if neg:
+                code += 1
+        elif mode == ODD:
+            code |= 1
+        elif mode == STOCHASTIC:
+            rr = np.int64(r >> np.uint32(32 - k))
+            if top + rr >= (np.int64(1) << k):
+                code += 1
+        # RTZ: keep the truncated code
+
+    # -- overflow -------------------------------------------------------------------------
+    if code > max_code:
+        toward_zero = (
+            mode == RTZ or mode == ODD or (mode == UP and neg) or (mode == DOWN and not neg)
+        )
+        if toward_zero:
+            code = max_code
+        else:
+            return _overflow_code(neg, params, saturate)
+
+    if neg and signed:
+        if code == 0 and nan_kind == 2:
+            return 0  # FNUZ: -0 has no code, the result is +0
+        return code | sign_mask
+    return code
+
+
+@jit_scalar
+def _fields_f32(u):
+    """(neg, is_nan, is_inf, e, sig) of a float32 bit pattern (uint32)."""
+    neg = (u >> np.uint32(31)) != 0
+    ebits = np.int64((u >> np.uint32(23)) & np.uint32(0xFF))
+    man = np.uint64(u & np.uint32(0x7FFFFF))
+    if ebits == 0xFF:
+        return neg, man != 0, man == 0, np.int64(0), np.uint64(0)
+    if ebits == 0:
+        return neg, False, False, np.int64(-126), man
+    return neg, False, False, ebits - 127, man | np.uint64(1 << 23)
+
+
+@jit_scalar
+def _fields_f64(u):
+    """(neg, is_nan, is_inf, e, sig) of a float64 bit pattern (uint64)."""
+    neg = (u >> np.uint64(63)) != 0
+    ebits = np.int64((u >> np.uint64(52)) & np.uint64(0x7FF))
+    man = u & np.uint64((1 << 52) - 1)
+    if ebits == 0x7FF:
+        return neg, man != 0, man == 0, np.int64(0), np.uint64(0)
+    if ebits == 0:
+        return neg, False, False, np.int64(-1022), man
+    return neg, False, False, ebits - 1023, man | np.uint64(1 << 52)
+
+
+@jit_scalar
+def encode_value(x, params, mode, saturate, r, k):
+    """Code of the float64 value ``x`` (numba-callable; any float converts to float64 exactly)."""
+    neg = math.copysign(1.0, x) < 0
+    if math.isnan(x):
+        return encode_fields(neg, True, False, 0, np.uint64(0), 52, params, mode, saturate, r, k)
+    if math.isinf(x):
+        return encode_fields(neg, False, True, 0, np.uint64(0), 52, params, mode, saturate, r, k)
+    if x == 0.0:
+        return encode_fields(neg, False, False, 0, np.uint64(0), 52, params, mode, saturate, r, k)
+    frac, ex = math.frexp(abs(x))  # abs(x) = frac * 2**ex, frac in [0.5, 1)
+    sig = np.uint64(math.ldexp(frac, 53))  # exact: 53 significant bits at most
+    return encode_fields(neg, False, False, ex - 1, sig, 52, params, mode, saturate, r, k)
+
+
+@jit_scalar
+def _random_word(i, rbits, use_rbits, k0, k1):
+    if use_rbits:
+        return np.uint32(rbits[i])
+    return np.uint32(randint_scalar(k0, k1, i))
+
+
+@jit_kernel
+def encode_f32_kernel(xbits, out, status, params, mode, saturate, rbits, use_rbits, k0, k1, k):
+    """Encode a flat float32 bit array (uint32) into ``out``; ``status[i]`` gets 1 (NaN) or 2
+    (overflow) for sentinel results when ``status`` is non-empty, else sentinels become 0."""
+    n = xbits.size
+    track = status.size > 0
+    for i in numba.prange(n):
+        neg, is_nan, is_inf, e, sig = _fields_f32(xbits[i])
+        r = np.uint32(0)
+        if mode == STOCHASTIC:
+            r = _random_word(i, rbits, use_rbits, k0, k1)
+        c = encode_fields(neg, is_nan, is_inf, e, sig, 23, params, mode, saturate, r, k)
+        if c < 0:
+            if track:
+                status[i] = -c
+            c = 0
+        out[i] = c
+
+
+@jit_kernel
+def encode_f64_kernel(xbits, out, status, params, mode, saturate, rbits, use_rbits, k0, k1, k):
+    """As :func:`encode_f32_kernel` for float64 bit patterns (uint64)."""
+    n = xbits.size
+    track = status.size > 0
+    for i in numba.prange(n):
+        neg, is_nan, is_inf, e, sig = _fields_f64(xbits[i])
+        r = np.uint32(0)
+        if mode == STOCHASTIC:
+            r = _random_word(i, rbits, use_rbits, k0, k1)
+        c = encode_fields(neg, is_nan, is_inf, e, sig, 52, params, mode, saturate, r, k)
+        if c < 0:
+            if track:
+                status[i] = -c
+            c = 0
+        out[i] = c
+
+
+@jit_kernel
+def decode_kernel(codes, table, out):
+    """``out[i] = table[codes[i]]`` over a flat array, in parallel."""
+    for i in numba.prange(codes.size):
+        out[i] = table[codes[i]]
+
+
+@jit_scalar
+def _fast_code(u, mbits, emin_b, max_code, mag_bits, over_pos, over_neg, inf_res, nan_code,
+               fnuz, mode):
+    """Code of float32 bits ``u`` (as int64), written as selects; see encode_f32_fast_kernel."""
+    s = u >> 31
+    a = u & 0x7FFFFFFF
+    E = a >> 23
+    man = a & 0x7FFFFF
+    sig = man | (np.int64(E != 0) << 23)
+    e_eff = max(E, 1)
+    shift = min((23 - mbits) + max(emin_b - e_eff, 0), 31)
+    kept = sig >> shift
+    rem = sig & ((np.int64(1) << shift) - 1)
+    half = np.int64(1) << (shift - 1)
+    code = (max(e_eff - emin_b, 0) << mbits) + kept
+    inexact = np.int64(rem != 0)
+    if mode == RNE:
+        code += (np.int64(rem > half) | (np.int64(rem == half) & kept)) & 1
+    elif mode == RNA:
+        code += np.int64(rem >= half)
+    elif mode == UP:
+        code += inexact & (1 - s)
+    elif mode == DOWN:
+        code += inexact & s
+    elif mode == ODD:
+        code |= inexact
+    over = over_neg if s == 1 else over_pos
+    code = over if code > max_code else code
+    code = inf_res if a == 0x7F800000 else code
+    is_nan = np.int64(a > 0x7F800000)
+    code = nan_code if is_nan == 1 else code
+    drop_sign = fnuz & (np.int64(code == 0) | is_nan)
+    return code | ((s & (1 - drop_sign)) << mag_bits)
+
+
+@jit_kernel
+def encode_f32_fast_kernel(xbits, out, mbits, emin, max_code, mag_bits, over_code, nan_code,
+                           fnuz, mode, saturate):
+    """Branch-free twin of :func:`encode_f32_kernel` for the common case, same results.
+
+    Valid for float32 input, a non-stochastic ``mode``, and a signed format with subnormals and
+    a NaN (every 8-bit FP8 format, e3m4, fp16, bf16, eXmY). ``over_code`` is what a non-saturating
+    overflow becomes (inf code, else NaN code), ``nan_code`` the positive NaN code, ``fnuz`` 1 when
+    -0 has no code (zeros and the NaN then carry no sign). One loop per mode, the mode a constant
+    in each, so LLVM folds it and vectorizes; the exhaustive tests hold it to the reference.
+    """
+    emin_b = emin + 127  # the target's smallest normal exponent, as a biased float32 exponent
+    # what an overflowing code becomes, per sign: max where saturating or rounding toward zero
+    clamp_pos = saturate or mode == RTZ or mode == ODD or mode == DOWN
+    clamp_neg = saturate or mode == RTZ or mode == ODD or mode == UP
+    over_pos = max_code if clamp_pos else over_code
+    over_neg = max_code if clamp_neg else over_code
+    inf_res = max_code if saturate else over_code  # an infinite input
+    fz = np.int64(1) if fnuz else np.int64(0)
+    n = xbits.size
+    if mode == RNE:
+        for i in numba.prange(n):
+            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
+                                over_pos, over_neg, inf_res, nan_code, fz, RNE)
+    elif mode == RNA:
+        for i in numba.prange(n):
+            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
+                                over_pos, over_neg, inf_res, nan_code, fz, RNA)
+    elif mode == RTZ:
+        for i in numba.prange(n):
+            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
+                                over_pos, over_neg, inf_res, nan_code, fz, RTZ)
+    elif mode == UP:
+        for i in numba.prange(n):
+            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
+                                over_pos, over_neg, inf_res, nan_code, fz, UP)
+    elif mode == DOWN:
+        for i in numba.prange(n):
+            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
+                                over_pos, over_neg, inf_res, nan_code, fz, DOWN)
+    else:
+        for i in numba.prange(n):
+            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
+                                over_pos, over_neg, inf_res, nan_code, fz, ODD)

@@ -1,0 +1,347 @@
+"""The bit-exact emulator: ``encode``, ``decode``, ``quantize`` -- the oracle of fp8sim.
+
+Semantics (the contract in DESIGN.md):
+
+* Inputs: numpy float16, bfloat16 (ml_dtypes), float32, float64 arrays, Python floats, or CPU
+  torch tensors (torch in -> torch out), any shape, any strides. Each value is rounded once,
+  directly from its own bits: float16/bfloat16 widen exactly to float32, float64 is rounded from
+  its 53-bit significand (never through float32).
+* ``rounding``: one of :data:`ROUNDING_MODES` (see ``fp8sim._encode_core`` for the exact rules).
+* ``saturate=True``: finite overflow and +-inf become +-max, NaN stays NaN. ``saturate=False``
+  (OCP "non-saturating"): overflow becomes +-inf where the format has inf, else NaN; modes that
+  round toward zero at that sign never overflow (``rtz``, ``odd``, ``up`` < 0, ``down`` > 0).
+* Zeros: signed zero is kept where the format has -0; FNUZ formats map -0 to +0; E8M0 has no
+  zero (0 and anything below 2**-127 encode as 2**-127, negative numbers as NaN).
+* NaN input gives the format's canonical NaN, keeping the input's sign where the format can
+  (FNUZ: 0x80). Formats with no NaN (e2m1, e2m3, e3m2) raise ValueError on a NaN input, and on
+  an overflow or inf unless ``saturate=True``; the message gives the count and first index.
+* Stochastic rounding uses ``srbits=k`` (1..32, default 32) random bits per element: the top
+  ``k`` bits of ``rbits`` (uint32, one per element) or of Philox4x32-10 keyed by ``seed`` with
+  counter = flat C-order element index -- the stream of ``tl.randint(seed, offsets)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from fp8sim import _encode_core as core
+from fp8sim.formats import FloatFormat, get_format
+from fp8sim.philox import seed_words
+
+__all__ = [
+    "ROUNDING_MODES",
+    "ROUNDING_IDS",
+    "encode",
+    "decode",
+    "quantize",
+    "format_params",
+    "decode_table",
+]
+
+ROUNDING_MODES = ("rne", "rna", "rtz", "up", "down", "odd", "stochastic")
+ROUNDING_IDS = {name: i for i, name in enumerate(ROUNDING_MODES)}
+_NAN_KIND_IDS = {"ieee": 0, "fn": 1, "fnuz": 2, "none": 3}
+
+
+@functools.lru_cache(maxsize=None)
+def format_params(fmt: FloatFormat | str) -> tuple:
+    """The flat tuple of ints that numba kernels take instead of the dataclass.
+
+    ``(mantissa_bits, emin, max_code, sign_mask, signed, has_subnormals, nan_kind, nan_code,
+    inf_code)``; nan_kind 0 ieee / 1 fn / 2 fnuz / 3 none; nan_code, inf_code -1 when absent.
+    """
+    fmt = get_format(fmt)
+    return (
+        fmt.mantissa_bits,
+        fmt.emin,
+        fmt.max_code,
+        fmt.sign_mask,
+        int(fmt.signed),
+        int(fmt.has_subnormals),
+        _NAN_KIND_IDS[fmt.nan],
+        -1 if fmt.nan_code is None else fmt.nan_code,
+        -1 if fmt.inf_code is None else fmt.inf_code,
+    )
+
+
+def _decode_code(fmt: FloatFormat, code: int) -> float:
+    """Exact value of one code (Python float), from the field definitions."""
+    mag_mask = (1 << fmt.magnitude_bits) - 1
+    neg = fmt.signed and (code >> fmt.magnitude_bits) & 1
+    mag = code & mag_mask
+    if fmt.is_nan_code(code):
+        return float("nan")
+    if fmt.has_inf and mag == fmt.inf_code:
+        return float("-inf") if neg else float("inf")
+    biased = mag >> fmt.mantissa_bits
+    mant = mag & ((1 << fmt.mantissa_bits) - 1)
+    if fmt.has_subnormals and biased == 0:
+        value = mant * 2.0 ** (fmt.emin - fmt.mantissa_bits)
+    else:
+        value = (2.0**fmt.mantissa_bits + mant) * 2.0 ** (
+            biased - fmt.bias - fmt.mantissa_bits
+        )
+    return -value if neg else value
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_table_cached(fmt: FloatFormat, dtype_name: str) -> np.ndarray:
+    table = np.array([_decode_code(fmt, c) for c in range(fmt.num_codes)], dtype=np.float64)
+    out = table.astype(np.dtype(dtype_name))
+    # every code is exact in float32 (<= 16-bit formats) -- check rather than assume
+    if dtype_name == "float32":
+        finite = np.isfinite(table)
+        assert np.array_equal(out[finite].astype(np.float64), table[finite])
+    out.setflags(write=False)
+    return out
+
+
+def decode_table(fmt: FloatFormat | str, dtype: Any = np.float64) -> np.ndarray:
+    """Read-only array: the value of every code of ``fmt`` (index = code), NaN for NaN codes."""
+    fmt = get_format(fmt)
+    return _decode_table_cached(fmt, np.dtype(dtype).name)
+
+
+# -- input handling ---------------------------------------------------------------------------
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _as_numpy_float(x: Any, what: str = "x") -> tuple[np.ndarray, bool]:
+    """(array of float32 or float64, came_from_torch). float16/bfloat16 widen exactly."""
+    from_torch = _is_torch(x)
+    if from_torch:
+        import torch
+
+        t = x.detach()
+        if t.device.type != "cpu":
+            raise TypeError(f"{what}: the emulator takes CPU tensors, got device {t.device}")
+        if t.dtype == torch.bfloat16:
+            bits = t.contiguous().view(torch.int16).numpy().view(np.uint16)
+            arr = (bits.astype(np.uint32) << 16).view(np.float32)
+            return arr, True
+        if not (t.dtype.is_floating_point) or t.dtype.itemsize == 1:
+            raise TypeError(
+                f"{what}: expected a float16/bfloat16/float32/float64 tensor, got {t.dtype}"
+            )
+        arr = t.contiguous().numpy()
+    else:
+        arr = np.asarray(x)
+    dt = arr.dtype
+    if dt.name == "bfloat16":
+        bits = np.ascontiguousarray(arr).view(np.uint16)
+        return (bits.astype(np.uint32) << 16).view(np.float32), from_torch
+    if dt == np.float16:
+        return arr.astype(np.float32), from_torch
+    if dt in (np.float32, np.float64):
+        return arr, from_torch
+    raise TypeError(
+        f"{what}: expected float16, bfloat16, float32 or float64 values, got dtype {dt} "
+        "(integer codes go to decode(); pass bfloat16 bits as ml_dtypes.bfloat16, not uint16)"
+    )
+
+
+def _check_rounding(rounding: str) -> int:
+    if rounding not in ROUNDING_IDS:
+        raise ValueError(
+            f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDING_MODES)}"
+        )
+    return ROUNDING_IDS[rounding]
+
+
+def _stochastic_inputs(
+    n: int, shape: tuple, rounding: str, rbits: Any, srbits: int | None, seed: int | None
+) -> tuple[np.ndarray, bool, int, int, int]:
+    """(rbits_flat, use_rbits, k0, k1, k) for the kernels."""
+    k = 32 if srbits is None else srbits
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 32:
+        raise ValueError(f"srbits must be an int in 1..32, got {srbits!r}")
+    empty = np.zeros(0, dtype=np.uint32)
+    if rounding != "stochastic":
+        if rbits is not None or seed is not None:
+            raise ValueError(f"rbits/seed are for rounding='stochastic', not {rounding!r}")
+        return empty, False, 0, 0, int(k)
+    if (rbits is None) == (seed is None):
+        raise ValueError("stochastic rounding needs exactly one of rbits= or seed=")
+    if rbits is not None:
+        if _is_torch(rbits):
+            rbits = rbits.detach().cpu().numpy()
+        rb = np.asarray(rbits)
+        if rb.dtype not in (np.uint32, np.int32):
+            raise TypeError(f"rbits must be uint32 (one word per element), got {rb.dtype}")
+        if rb.shape != shape:
+            raise ValueError(f"rbits shape {rb.shape} does not match x shape {shape}")
+        return np.ascontiguousarray(rb.view(np.uint32)).reshape(-1), True, 0, 0, int(k)
+    k0, k1 = seed_words(seed)
+    return empty, False, k0, k1, int(k)
+
+
+def _raise_status(status: np.ndarray, fmt: FloatFormat, shape: tuple) -> None:
+    bad = np.flatnonzero(status)
+    if bad.size == 0:
+        return
+    nan_idx = bad[status[bad] == 1]
+    if nan_idx.size:
+        first = np.unravel_index(int(nan_idx[0]), shape) if shape else ()
+        raise ValueError(
+            f"{nan_idx.size} NaN input(s) but {fmt.name} has no NaN encoding "
+            f"(first at index {tuple(int(i) for i in first)})"
+        )
+    first = np.unravel_index(int(bad[0]), shape) if shape else ()
+    raise ValueError(
+        f"{bad.size} value(s) overflow {fmt.name} (max {fmt.max}), which has no inf/NaN; "
+        f"use saturate=True (first at index {tuple(int(i) for i in first)})"
+    )
+
+
+def _fast_path_ok(fmt: FloatFormat, rounding: str) -> bool:
+    """Whether the branch-free float32 kernel applies (see encode_f32_fast_kernel)."""
+    return (
+        rounding != "stochastic" and fmt.signed and fmt.has_subnormals and fmt.has_nan
+        and _USE_FAST_PATH
+    )
+
+
+#: tests flip this to run the general kernel on the same inputs
+_USE_FAST_PATH = True
+
+
+def _encode_numpy(
+    arr: np.ndarray,
+    fmt: FloatFormat,
+    rounding: str,
+    saturate: bool,
+    rbits: Any,
+    srbits: int | None,
+    seed: int | None,
+) -> np.ndarray:
+    mode = _check_rounding(rounding)
+    shape = arr.shape
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    rb, use_rbits, k0, k1, k = _stochastic_inputs(flat.size, shape, rounding, rbits, srbits, seed)
+    out = np.empty(flat.size, dtype=fmt.code_dtype)
+    status = np.zeros(flat.size if fmt.nan == "none" else 0, dtype=np.uint8)
+    params = format_params(fmt)
+    if flat.dtype == np.float32 and _fast_path_ok(fmt, rounding):
+        over = fmt.inf_code if fmt.has_inf else fmt.nan_code
+        core.encode_f32_fast_kernel(
+            flat.view(np.uint32), out, fmt.mantissa_bits, fmt.emin, fmt.max_code,
+            fmt.magnitude_bits, over, fmt.nan_code, fmt.nan == "fnuz", mode, bool(saturate),
+        )
+        return out.reshape(shape)
+    if flat.dtype == np.float32:
+        kernel, bits = core.encode_f32_kernel, flat.view(np.uint32)
+    else:
+        kernel, bits = core.encode_f64_kernel, flat.view(np.uint64)
+    kernel(
+        bits, out, status, params, mode, bool(saturate), rb, use_rbits,
+        np.uint64(k0), np.uint64(k1), k,
+    )
+    if status.size:
+        _raise_status(status, fmt, shape)
+    return out.reshape(shape)
+
+
+def encode(
+    x: Any,
+    fmt: FloatFormat | str,
+    *,
+    rounding: str = "rne",
+    saturate: bool = True,
+    rbits: Any = None,
+    srbits: int | None = None,
+    seed: int | None = None,
+) -> Any:
+    """Codes of ``x`` in ``fmt`` (uint8, or uint16 for formats wider than 8 bits).
+
+    See the module docstring for the rounding, overflow, zero and NaN rules. Returns a numpy
+    array of ``x``'s shape, or a torch tensor (torch.uint8 / torch.uint16) for a torch input.
+    """
+    fmt = get_format(fmt)
+    arr, from_torch = _as_numpy_float(x)
+    codes = _encode_numpy(arr, fmt, rounding, saturate, rbits, srbits, seed)
+    if from_torch:
+        import torch
+
+        return torch.from_numpy(codes)
+    return codes
+
+
+def decode(codes: Any, fmt: FloatFormat | str, *, dtype: Any = np.float32) -> Any:
+    """Exact values of ``codes`` as ``dtype`` (float32 default; float64 also exact).
+
+    ``codes`` must be an unsigned integer array (uint8/uint16, or int8/int16 bit views) whose
+    values lie below ``2**fmt.bits``. torch in -> torch out.
+    """
+    fmt = get_format(fmt)
+    from_torch = _is_torch(codes)
+    if from_torch:
+        import torch
+
+        t = codes.detach()
+        if t.dtype not in (torch.uint8, torch.int8, torch.uint16, torch.int16):
+            raise TypeError(f"codes must be a uint8/uint16 tensor, got {t.dtype}")
+        if t.dtype in (torch.uint16, torch.int16):
+            arr = t.contiguous().view(torch.int16).numpy().view(np.uint16)
+        else:
+            arr = t.contiguous().view(torch.uint8).numpy()
+    else:
+        arr = np.asarray(codes)
+        if arr.dtype.kind not in "ui":
+            raise TypeError(f"codes must be an unsigned integer array, got dtype {arr.dtype}")
+        if arr.dtype.kind == "i":
+            arr = arr.view(np.dtype(f"u{arr.dtype.itemsize}"))
+    if arr.dtype.itemsize > 2:
+        arr = arr.astype(np.uint32)
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise TypeError(f"decode dtype must be float32 or float64, got {dtype}")
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    if flat.size and int(flat.max()) >= fmt.num_codes:
+        i = int(np.argmax(flat >= fmt.num_codes))
+        raise ValueError(
+            f"code {int(flat[i])} at flat index {i} is out of range for {fmt.name} "
+            f"({fmt.bits} bits)"
+        )
+    out = np.empty(flat.size, dtype=dtype)
+    core.decode_kernel(flat, decode_table(fmt, dtype), out)
+    out = out.reshape(arr.shape)
+    if from_torch:
+        import torch
+
+        return torch.from_numpy(out)
+    return out
+
+
+def quantize(
+    x: Any,
+    fmt: FloatFormat | str,
+    *,
+    rounding: str = "rne",
+    saturate: bool = True,
+    rbits: Any = None,
+    srbits: int | None = None,
+    seed: int | None = None,
+) -> Any:
+    """``decode(encode(x))`` in ``x``'s own dtype (float16/bfloat16 results are cast back with
+    round-to-nearest-even, exact whenever the format's values fit that dtype)."""
+    fmt = get_format(fmt)
+    arr, from_torch = _as_numpy_float(x)
+    codes = _encode_numpy(arr, fmt, rounding, saturate, rbits, srbits, seed)
+    wide = np.float64 if arr.dtype == np.float64 else np.float32
+    values = decode(codes, fmt, dtype=wide)
+    if from_torch:
+        import torch
+
+        return torch.from_numpy(values).to(x.dtype)
+    src = np.asarray(x).dtype
+    if src.name == "bfloat16" or src == np.float16:
+        return values.astype(src)
+    if np.ndim(x) == 0 and not isinstance(x, np.ndarray):
+        return values[()]
+    return values
