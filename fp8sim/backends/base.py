@@ -1,0 +1,392 @@
+"""The backend interface: one set of FP8 operations, three implementations.
+
+Every backend takes and returns torch tensors and gives the same answer bit for bit as the
+emulator (``fp8sim.encode`` / ``fp8sim.decode``), or raises ``NotImplementedError`` naming the
+capability it lacks -- never a silently different answer. The only exception is ``scaled_mm``,
+whose float32 accumulation order is the implementation's own: it is exact up to the float32
+accumulation bound (see :meth:`Backend.scaled_mm`).
+
+Semantics shared by all backends (units and rounding):
+
+* ``amax(x)``: ``max |float32(x)|`` as a 0-d float32 tensor; NaN if any element is NaN; 0 for an
+  empty tensor.
+* ``quantize(x, fmt, scale)``: ``codes = encode(float32(x) * float32(scale))`` -- the product is
+  rounded to float32 first (exactly what a GPU does), then encoded once with ``rounding`` and the
+  overflow rule ``saturate``; ``scale_inv = 1 / float32(scale)`` rounded to float32. ``scale`` is a
+  number, a 0-d tensor, or for 2-D ``x`` a per-row ``(M, 1)`` / per-column ``(1, N)`` tensor.
+  Stochastic rounding draws ``tl.randint(seed, i)`` for flat C-order element index ``i``.
+* ``dequantize(codes, fmt, scale_inv)``: ``float32(decode(codes)) * float32(scale_inv)`` rounded
+  to float32, then cast to ``out_dtype`` with round-to-nearest-even.
+* ``cast_transpose``: the codes of ``quantize`` and their transpose (``codes.T``, contiguous) --
+  the transposed copy is the same quantization, not a second rounding of ``x.T``.
+* ``scaled_mm``: ``(decode(a) @ decode(b)) * a_scale_inv * b_scale_inv`` accumulated in float32.
+* ``adam_step``: the fused FP8-LM Adam step, see :meth:`Backend.adam_step`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from fp8sim.emulator import ROUNDING_MODES
+from fp8sim.formats import FloatFormat, get_format
+
+__all__ = [
+    "Backend",
+    "AdamStepResult",
+    "check_input",
+    "check_codes",
+    "check_rounding",
+    "check_scale_inv",
+    "check_mm",
+    "as_scale",
+    "reciprocal",
+    "adam_constants",
+    "check_adam_args",
+]
+
+
+class AdamStepResult(NamedTuple):
+    """What :meth:`Backend.adam_step` hands back (all 0-d float32 tensors).
+
+    ``*_scale_inv``: the decode factors of the state just written (``1 / new scale``).
+    ``*_amax``: ``max |value|`` of the new float32 value before scaling (NaN-propagating), for
+    the next step's scales (delayed scaling).
+    """
+
+    param_scale_inv: torch.Tensor
+    exp_avg_scale_inv: torch.Tensor
+    exp_avg_sq_scale_inv: torch.Tensor
+    param_amax: torch.Tensor
+    exp_avg_amax: torch.Tensor
+    exp_avg_sq_amax: torch.Tensor
+
+
+# -- validation helpers shared by the backends -------------------------------------------------
+
+
+def check_input(x: Any, what: str = "x") -> torch.Tensor:
+    """``x`` must be a float16/bfloat16/float32/float64 torch tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"{what}: expected float16/bfloat16/float32/float64, got {x.dtype}")
+    return x
+
+
+def check_codes(codes: Any, fmt: FloatFormat, what: str = "codes") -> torch.Tensor:
+    """Codes are uint8 (formats up to 8 bits) or uint16/int16 (wider formats)."""
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch tensor of codes, got {type(codes).__name__}")
+    valid = (torch.uint8, torch.int8) if fmt.bits <= 8 else (torch.uint16, torch.int16)
+    if codes.dtype not in valid:
+        raise TypeError(f"{what}: {fmt.name} codes must be {valid[0]}, got {codes.dtype}")
+    return codes
+
+
+def as_scale(scale: Any, x_shape: tuple, device: torch.device, what: str = "scale") -> torch.Tensor:
+    """``scale`` as a float32 tensor on ``device``: 0-d, or (M, 1) / (1, N) for a 2-D input.
+
+    A Python number becomes float32 by round-to-nearest-even (``float32(scale)``).
+    """
+    if isinstance(scale, torch.Tensor):
+        if not scale.dtype.is_floating_point:
+            raise TypeError(f"{what}: expected a float tensor, got {scale.dtype}")
+        s = scale.detach().to(device=device, dtype=torch.float32)
+        if s.numel() == 1 and s.dim() <= 1:
+            return s.reshape(())
+        if s.dim() == 0:
+            return s
+        ok = len(x_shape) == 2 and s.dim() == 2 and (
+            tuple(s.shape) == (x_shape[0], 1) or tuple(s.shape) == (1, x_shape[1])
+        )
+        if not ok:
+            raise ValueError(
+                f"{what}: shape {tuple(s.shape)} is not valid for x of shape {tuple(x_shape)}; "
+                "valid: a number, a 0-d tensor, or (M, 1) / (1, N) for 2-D x"
+            )
+        return s
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
+        raise TypeError(f"{what}: expected a number or tensor, got {type(scale).__name__}")
+    return torch.tensor(float(scale), dtype=torch.float32, device=device)
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` in float32 (correctly rounded on CPU and CUDA)."""
+    return torch.reciprocal(scale.to(torch.float32))
+
+
+def check_rounding(rounding: str, seed: Any) -> None:
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDING_MODES)}")
+    if rounding == "stochastic" and seed is None:
+        raise ValueError("rounding='stochastic' needs seed= (Philox key, counter = flat index)")
+    if rounding != "stochastic" and seed is not None:
+        raise ValueError(f"seed= is for rounding='stochastic', not {rounding!r}")
+
+
+def check_scale_inv(scale_inv: Any, rows: int, cols: int, what: str, axis: str) -> torch.Tensor:
+    """GEMM scale_inv: 0-d (per tensor), or per row of a (M, 1) / per column of b (1, N)."""
+    if not isinstance(scale_inv, torch.Tensor):
+        if isinstance(scale_inv, (int, float, np.number)) and not isinstance(scale_inv, bool):
+            return torch.tensor(float(scale_inv), dtype=torch.float32)
+        raise TypeError(f"{what}: expected a number or tensor, got {type(scale_inv).__name__}")
+    s = scale_inv.detach().to(torch.float32)
+    if s.numel() == 1 and s.dim() <= 1:
+        return s.reshape(())
+    want = (rows, 1) if axis == "row" else (1, cols)
+    if s.dim() == 1 and s.numel() == (rows if axis == "row" else cols):
+        return s.reshape(want)
+    if tuple(s.shape) != want:
+        raise ValueError(f"{what}: shape {tuple(s.shape)} is not valid; valid: 0-d or {want}")
+    return s
+
+
+def check_mm(a: torch.Tensor, b: torch.Tensor, a_fmt: FloatFormat, b_fmt: FloatFormat) -> None:
+    check_codes(a, a_fmt, "a_codes")
+    check_codes(b, b_fmt, "b_codes")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"scaled_mm: need a (M, K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+
+
+def adam_constants(
+    step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+) -> dict[str, np.float32]:
+    """The float32 constants of the Adam step, each computed in float64 and rounded once."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
+        raise ValueError(f"adam_step: step must be an int >= 1 (1 on the first step), got {step!r}")
+    for name, v, lo, hi in (("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0)):
+        if not lo <= v < hi:
+            raise ValueError(f"adam_step: {name} must be in [0, 1), got {v}")
+    if eps <= 0 or lr < 0 or weight_decay < 0:
+        raise ValueError("adam_step: need eps > 0, lr >= 0, weight_decay >= 0")
+    f32 = np.float32
+    return {
+        "beta1": f32(beta1),
+        "one_minus_beta1": f32(1.0 - beta1),
+        "beta2": f32(beta2),
+        "one_minus_beta2": f32(1.0 - beta2),
+        "bias_correction1": f32(1.0 - beta1**step),
+        "bias_correction2": f32(1.0 - beta2**step),
+        "eps": f32(eps),
+        "lr": f32(lr),
+        "decay": f32(1.0 - lr * weight_decay),
+    }
+
+
+def check_adam_args(
+    param, param_scale_inv, grad, exp_avg, exp_avg_scale_inv, exp_avg_sq, exp_avg_sq_scale_inv,
+    grad_scale_inv, param_scale, exp_avg_scale, exp_avg_sq_scale, exp_avg_fmt, rounding, seed,
+) -> dict:
+    """Validate the Adam state; every scale becomes a 0-d float32 tensor on param's device.
+
+    Returns ``{"fmt": exp_avg format, "scalars": {name: tensor}}`` with the four decode factors
+    and the three new scales (default ``1 / scale_inv``).
+    """
+    fmt = get_format(exp_avg_fmt)
+    if fmt.bits > 8:
+        raise ValueError(f"adam_step: exp_avg_fmt must be an 8-bit-or-narrower format, got {fmt.name}")
+    check_rounding(rounding, seed)
+    if not isinstance(param, torch.Tensor) or param.dtype != torch.float16:
+        raise TypeError("adam_step: param must be a float16 tensor (the scaled master weight)")
+    if not isinstance(exp_avg_sq, torch.Tensor) or exp_avg_sq.dtype != torch.float16:
+        raise TypeError("adam_step: exp_avg_sq must be a float16 tensor")
+    check_codes(exp_avg, fmt, "exp_avg")
+    check_input(grad, "grad")
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.shape != param.shape:
+            raise ValueError(
+                f"adam_step: {name} shape {tuple(t.shape)} != param shape {tuple(param.shape)}"
+            )
+    dev = param.device
+    shape = tuple(param.shape)
+
+    def scalar(v: Any, what: str) -> torch.Tensor:
+        s = as_scale(v, shape, dev, what)
+        if s.dim() != 0:
+            raise ValueError(f"adam_step: {what} must be a number or 0-d tensor")
+        return s
+
+    s = {
+        "param_scale_inv": scalar(param_scale_inv, "param_scale_inv"),
+        "exp_avg_scale_inv": scalar(exp_avg_scale_inv, "exp_avg_scale_inv"),
+        "exp_avg_sq_scale_inv": scalar(exp_avg_sq_scale_inv, "exp_avg_sq_scale_inv"),
+        "grad_scale_inv": scalar(grad_scale_inv, "grad_scale_inv"),
+    }
+    for new, old in (("param_scale", "param_scale_inv"), ("exp_avg_scale", "exp_avg_scale_inv"),
+                     ("exp_avg_sq_scale", "exp_avg_sq_scale_inv")):
+        given = {"param_scale": param_scale, "exp_avg_scale": exp_avg_scale,
+                 "exp_avg_sq_scale": exp_avg_sq_scale}[new]
+        s[new] = reciprocal(s[old]) if given is None else scalar(given, new)
+    return {"fmt": fmt, "scalars": s}
+
+
+class Backend:
+    """Interface of an FP8 backend (see the module docstring for the shared semantics).
+
+    Subclasses implement ``amax``, ``quantize_with_amax``, ``dequantize``,
+    ``cast_transpose_with_amax``, ``scaled_mm`` and ``adam_step``; the plain ``quantize`` and
+    ``cast_transpose`` drop the amax.
+    """
+
+    name: str = "base"
+
+    # -- casts -----------------------------------------------------------------------------
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        """``max |float32(x)|`` as a 0-d float32 tensor (NaN if any NaN; 0 if empty)."""
+        raise NotImplementedError(f"{self.name}: amax")
+
+    def quantize_with_amax(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale: Any = 1.0,
+        *,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, scale_inv, amax of x): ``codes = encode(float32(x) * float32(scale))``."""
+        raise NotImplementedError(f"{self.name}: quantize")
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale: Any = 1.0,
+        *,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scale_inv): codes (uint8; uint16 for formats over 8 bits) of x's shape,
+        ``encode(float32(x) * float32(scale))``; ``scale_inv = float32(1 / float32(scale))``."""
+        codes, scale_inv, _ = self.quantize_with_amax(
+            x, fmt, scale, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits
+        )
+        return codes, scale_inv
+
+    def dequantize(
+        self,
+        codes: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale_inv: Any = 1.0,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """``float32(decode(codes)) * float32(scale_inv)``, cast to ``out_dtype`` (RNE)."""
+        raise NotImplementedError(f"{self.name}: dequantize")
+
+    def cast_transpose_with_amax(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale: Any = 1.0,
+        *,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, codes_t, scale_inv, amax) for 2-D ``x``; ``codes_t = codes.T`` contiguous."""
+        raise NotImplementedError(f"{self.name}: cast_transpose")
+
+    def cast_transpose(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale: Any = 1.0,
+        *,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, codes_t, scale_inv): the quantize of 2-D ``x`` and its transpose in one pass."""
+        codes, codes_t, scale_inv, _ = self.cast_transpose_with_amax(
+            x, fmt, scale, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits
+        )
+        return codes, codes_t, scale_inv
+
+    # -- GEMM --------------------------------------------------------------------------------
+    def scaled_mm(
+        self,
+        a_codes: torch.Tensor,
+        a_fmt: FloatFormat | str,
+        a_scale_inv: Any,
+        b_codes: torch.Tensor,
+        b_fmt: FloatFormat | str,
+        b_scale_inv: Any,
+        *,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """``(decode(a) @ decode(b)) * a_scale_inv * b_scale_inv``, a (M, K), b (K, N).
+
+        Products of decoded values are exact in float32; the sum over K is accumulated in
+        float32 (order up to the backend; the emulator sums in float64), the scales applied
+        after, then the result is cast to ``out_dtype``. ``a_scale_inv``: 0-d or per row (M, 1);
+        ``b_scale_inv``: 0-d or per column (1, N). Codes may be non-contiguous views.
+        """
+        raise NotImplementedError(f"{self.name}: scaled_mm")
+
+    # -- optimizer ---------------------------------------------------------------------------
+    def adam_step(
+        self,
+        param: torch.Tensor,
+        param_scale_inv: Any,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_scale_inv: Any,
+        exp_avg_sq: torch.Tensor,
+        exp_avg_sq_scale_inv: Any = 1.0,
+        *,
+        step: int,
+        lr: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        grad_scale_inv: Any = 1.0,
+        param_scale: Any = None,
+        exp_avg_scale: Any = None,
+        exp_avg_sq_scale: Any = None,
+        exp_avg_fmt: FloatFormat | str = "e4m3",
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+    ) -> AdamStepResult:
+        """One fused FP8-LM AdamW step, updating ``param``, ``exp_avg``, ``exp_avg_sq`` in place.
+
+        State (all same shape): ``param`` float16 master weight holding ``w * param_scale``;
+        ``exp_avg`` uint8 codes of ``exp_avg_fmt`` (e4m3) holding ``m * exp_avg_scale``;
+        ``exp_avg_sq`` float16 holding ``v * exp_avg_sq_scale``. Each ``*_scale_inv`` decodes
+        the current state; the new state is encoded with ``param_scale`` / ``exp_avg_scale`` /
+        ``exp_avg_sq_scale`` (default: ``1 / scale_inv`` in float32, i.e. keep the scale).
+
+        In float32, every operation rounded (no fused multiply-add), constants from
+        :func:`adam_constants`::
+
+            g = float32(grad) * grad_scale_inv
+            w = float32(param) * param_scale_inv
+            m = float32(decode(exp_avg)) * exp_avg_scale_inv
+            v = float32(exp_avg_sq) * exp_avg_sq_scale_inv
+            m = beta1 * m + (1 - beta1) * g
+            v = beta2 * v + (1 - beta2) * (g * g)
+            u = (m / bias_correction1) / (sqrt(v / bias_correction2) + eps)
+            w = w * (1 - lr * weight_decay) - lr * u          (decoupled weight decay, AdamW)
+            param = encode_fp16(w * param_scale); exp_avg = encode(m * exp_avg_scale);
+            exp_avg_sq = encode_fp16(v * exp_avg_sq_scale)
+
+        with ``rounding`` and ``saturate`` for all three encodings; stochastic rounding keys
+        Philox with ``seed``, ``seed + 1``, ``seed + 2`` for param, exp_avg, exp_avg_sq (counter =
+        flat index). Returns the new scale_invs and the amaxes of the new w, m, v.
+        """
+        raise NotImplementedError(f"{self.name}: adam_step")
+
+    def __repr__(self) -> str:
+        return f"<fp8sim backend {self.name!r}>"

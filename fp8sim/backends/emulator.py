@@ -1,0 +1,225 @@
+"""The emulator backend: the numba emulator behind the backend interface -- the reference.
+
+Casts go through ``fp8sim.encode`` / ``fp8sim.decode`` on the CPU (tensors on another device are
+copied to the CPU and the results copied back); the GEMM sums exactly decoded operands in float64
+and rounds once; the Adam step runs its float32 recipe in numpy, one rounding per operation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from fp8sim.backends.base import (
+    AdamStepResult,
+    Backend,
+    adam_constants,
+    as_scale,
+    check_adam_args,
+    check_codes,
+    check_input,
+    check_mm,
+    check_rounding,
+    check_scale_inv,
+    reciprocal,
+)
+from fp8sim.emulator import decode, encode
+from fp8sim.formats import FloatFormat, get_format
+
+__all__ = ["EmulatorBackend", "adam_reference"]
+
+
+class EmulatorBackend(Backend):
+    """Bit-exact reference backend (numba emulator, CPU)."""
+
+    name = "emulator"
+
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        x = check_input(x)
+        if x.numel() == 0:
+            return torch.zeros((), dtype=torch.float32, device=x.device)
+        return x.detach().to(torch.float32).abs().amax()
+
+    def quantize_with_amax(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale: Any = 1.0,
+        *,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = check_input(x)
+        fmt = get_format(fmt)
+        check_rounding(rounding, seed)
+        s = as_scale(scale, tuple(x.shape), x.device)
+        y = x.detach().to(torch.float32) * s  # float32 product, rounded once
+        codes = encode(y.cpu(), fmt, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits)
+        return codes.to(x.device), reciprocal(s), self.amax(x)
+
+    def dequantize(
+        self,
+        codes: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale_inv: Any = 1.0,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        fmt = get_format(fmt)
+        codes = check_codes(codes, fmt)
+        s = as_scale(scale_inv, tuple(codes.shape), torch.device("cpu"), "scale_inv")
+        values = decode(codes.detach().cpu(), fmt) * s
+        return values.to(out_dtype).to(codes.device)
+
+    def cast_transpose_with_amax(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale: Any = 1.0,
+        *,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if check_input(x).dim() != 2:
+            raise ValueError(f"cast_transpose: x must be 2-D, got shape {tuple(x.shape)}")
+        codes, scale_inv, amax = self.quantize_with_amax(
+            x, fmt, scale, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits
+        )
+        return codes, codes.t().contiguous(), scale_inv, amax
+
+    def scaled_mm(
+        self,
+        a_codes: torch.Tensor,
+        a_fmt: FloatFormat | str,
+        a_scale_inv: Any,
+        b_codes: torch.Tensor,
+        b_fmt: FloatFormat | str,
+        b_scale_inv: Any,
+        *,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """The reference: exact products, float64 sum, scales in float64, one final rounding."""
+        a_fmt, b_fmt = get_format(a_fmt), get_format(b_fmt)
+        check_mm(a_codes, b_codes, a_fmt, b_fmt)
+        m, n = a_codes.shape[0], b_codes.shape[1]
+        sa = check_scale_inv(a_scale_inv, m, n, "a_scale_inv", "row").cpu().double()
+        sb = check_scale_inv(b_scale_inv, m, n, "b_scale_inv", "col").cpu().double()
+        a = decode(a_codes.detach().cpu(), a_fmt, dtype=np.float64)
+        b = decode(b_codes.detach().cpu(), b_fmt, dtype=np.float64)
+        out = (a @ b) * sa * sb
+        return out.to(out_dtype).to(a_codes.device)
+
+    def adam_step(
+        self,
+        param: torch.Tensor,
+        param_scale_inv: Any,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_scale_inv: Any,
+        exp_avg_sq: torch.Tensor,
+        exp_avg_sq_scale_inv: Any = 1.0,
+        *,
+        step: int,
+        lr: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        grad_scale_inv: Any = 1.0,
+        param_scale: Any = None,
+        exp_avg_scale: Any = None,
+        exp_avg_sq_scale: Any = None,
+        exp_avg_fmt: FloatFormat | str = "e4m3",
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+    ) -> AdamStepResult:
+        """See :meth:`Backend.adam_step`; computed by :func:`adam_reference`."""
+        args = check_adam_args(
+            param, param_scale_inv, grad, exp_avg, exp_avg_scale_inv, exp_avg_sq,
+            exp_avg_sq_scale_inv, grad_scale_inv, param_scale, exp_avg_scale, exp_avg_sq_scale,
+            exp_avg_fmt, rounding, seed,
+        )
+        consts = adam_constants(step, lr, beta1, beta2, eps, weight_decay)
+        new = adam_reference(
+            param.detach().cpu(), grad.detach().cpu(), exp_avg.detach().cpu(),
+            exp_avg_sq.detach().cpu(), consts=consts, rounding=rounding, saturate=saturate,
+            seed=seed, **{k: v.cpu() for k, v in args["scalars"].items()}, exp_avg_fmt=args["fmt"],
+        )
+        param.copy_(new["param"].to(param.device))
+        exp_avg.copy_(new["exp_avg"].to(exp_avg.device))
+        exp_avg_sq.copy_(new["exp_avg_sq"].to(exp_avg_sq.device))
+        dev = param.device
+        s = args["scalars"]
+        return AdamStepResult(
+            reciprocal(s["param_scale"]).to(dev),
+            reciprocal(s["exp_avg_scale"]).to(dev),
+            reciprocal(s["exp_avg_sq_scale"]).to(dev),
+            new["param_amax"].to(dev),
+            new["exp_avg_amax"].to(dev),
+            new["exp_avg_sq_amax"].to(dev),
+        )
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a float32 numpy array (float16/bfloat16 widen exactly)."""
+    return t.detach().to(torch.float32).numpy()
+
+
+def adam_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    consts: dict,
+    exp_avg_fmt: FloatFormat,
+    rounding: str,
+    saturate: bool,
+    seed: int | None,
+    param_scale_inv: torch.Tensor,
+    exp_avg_scale_inv: torch.Tensor,
+    exp_avg_sq_scale_inv: torch.Tensor,
+    grad_scale_inv: torch.Tensor,
+    param_scale: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The Adam recipe of :meth:`Backend.adam_step` in numpy float32 (CPU tensors in and out)."""
+    c = consts
+    f32 = np.float32
+    with np.errstate(all="ignore"):
+        g = _f32(grad) * f32(grad_scale_inv)
+        w = _f32(param) * f32(param_scale_inv)
+        m = decode(exp_avg.detach().cpu().contiguous(), exp_avg_fmt).numpy() * f32(exp_avg_scale_inv)
+        v = _f32(exp_avg_sq) * f32(exp_avg_sq_scale_inv)
+        m = c["beta1"] * m + c["one_minus_beta1"] * g
+        v = c["beta2"] * v + c["one_minus_beta2"] * (g * g)
+        denom = np.sqrt(v / c["bias_correction2"]) + c["eps"]
+        u = (m / c["bias_correction1"]) / denom
+        w = w * c["decay"] - c["lr"] * u
+        yw = w * f32(param_scale)
+        ym = m * f32(exp_avg_scale)
+        yv = v * f32(exp_avg_sq_scale)
+    assert w.dtype == m.dtype == v.dtype == np.float32
+
+    def enc(y: np.ndarray, fmt: Any, k: int) -> np.ndarray:
+        sd = None if seed is None else seed + k
+        return encode(y, fmt, rounding=rounding, saturate=saturate, seed=sd)
+
+    def amax(a: np.ndarray) -> torch.Tensor:
+        return torch.tensor(np.abs(a).max() if a.size else f32(0), dtype=torch.float32)
+
+    return {
+        "param": torch.from_numpy(enc(yw, "fp16", 0).view(np.float16)),
+        "exp_avg": torch.from_numpy(enc(ym, exp_avg_fmt, 1)),
+        "exp_avg_sq": torch.from_numpy(enc(yv, "fp16", 2).view(np.float16)),
+        "param_amax": amax(w),
+        "exp_avg_amax": amax(m),
+        "exp_avg_sq_amax": amax(v),
+    }

@@ -1,0 +1,274 @@
+"""The torch backend: torch's native float8 (and float16/bfloat16) casts, on CPU or GPU.
+
+What torch can do exactly as the emulator does, and what it cannot (checked by
+``tests/test_backends.py`` against the emulator, not assumed):
+
+* rounding: only round-to-nearest-even -- torch has no other rounding mode and no stochastic
+  rounding; anything else raises ``NotImplementedError``.
+* formats: ``e4m3`` (float8_e4m3fn), ``e5m2``, ``e4m3fnuz``, ``e5m2fnuz``, ``fp16``, ``bf16``.
+  Others (e3m4, MX FP6/FP4, E8M0, generic eXmY) raise ``NotImplementedError``.
+* overflow: saturating casts clamp to +-max first, then cast (round-then-compare and
+  clamp-then-round agree for RNE). torch's e4m3fn cast saturates by itself, so the OCP
+  non-saturating e4m3 rule (overflow -> NaN) is not available: ``NotImplementedError``.
+  e5m2/fp16/bf16 overflow to inf and the FNUZ formats to NaN exactly as non-saturating asks.
+* NaN: torch keeps NaN payload bits; the codes are canonicalized to the format's NaN with the
+  input's sign (FNUZ: 0x80), as the emulator writes them.
+
+Decoding uses the native dtype where torch has one, else an exact table gather (any format).
+``scaled_mm`` uses ``torch._scaled_mm`` on a CUDA GPU of compute capability 8.9 or newer for
+e4m3/e5m2 operands whose shapes it accepts, else decodes to float32 and multiplies in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fp8sim.backends.base import (
+    AdamStepResult,
+    Backend,
+    adam_constants,
+    as_scale,
+    check_adam_args,
+    check_codes,
+    check_input,
+    check_mm,
+    check_rounding,
+    check_scale_inv,
+    reciprocal,
+)
+from fp8sim.emulator import decode_table
+from fp8sim.formats import FloatFormat, get_format
+
+__all__ = ["TorchBackend", "TORCH_DTYPES"]
+
+#: formats with a native torch dtype whose float32 -> format cast rounds to nearest even
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+    "e4m3fnuz": torch.float8_e4m3fnuz,
+    "e5m2fnuz": torch.float8_e5m2fnuz,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+#: formats whose torch cast saturates on its own (no non-saturating cast exists)
+_SELF_SATURATING = ("e4m3",)
+
+
+def _torch_dtype(fmt: FloatFormat, what: str) -> torch.dtype:
+    if fmt.name not in TORCH_DTYPES:
+        raise NotImplementedError(
+            f"torch backend: {what} in format {fmt.name} (torch has no native dtype for it; "
+            f"supported: {', '.join(TORCH_DTYPES)}); use the emulator or triton backend"
+        )
+    return TORCH_DTYPES[fmt.name]
+
+
+def _code_view(t: torch.Tensor) -> torch.Tensor:
+    """The code bits of a native-dtype tensor: uint8, or uint16 for 16-bit formats."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8)
+    return t.view(torch.uint16)
+
+
+def _cast(y: torch.Tensor, fmt: FloatFormat, rounding: str, saturate: bool, seed: Any,
+          srbits: Any) -> torch.Tensor:
+    """Codes of the float32 tensor ``y``: the emulator's ``encode(y, fmt, ...)``."""
+    check_rounding(rounding, seed)
+    if rounding != "rne":
+        raise NotImplementedError(
+            f"torch backend: rounding={rounding!r} (torch casts round to nearest even only; "
+            "stochastic and directed rounding need the emulator or triton backend)"
+        )
+    if srbits is not None:
+        raise ValueError("srbits= is for rounding='stochastic'")
+    dtype = _torch_dtype(fmt, "a cast")
+    if not saturate and fmt.name in _SELF_SATURATING:
+        raise NotImplementedError(
+            f"torch backend: non-saturating {fmt.name} cast (torch's float8_e4m3fn cast "
+            "saturates; overflow -> NaN needs the emulator or triton backend)"
+        )
+    src = y.clamp(-fmt.max, fmt.max) if saturate else y  # NaN passes through clamp
+    codes = _code_view(src.to(dtype))
+    if fmt.nan == "fnuz":
+        canonical = torch.full_like(codes, fmt.nan_code)
+    else:
+        canonical = torch.where(torch.signbit(y), fmt.nan_code | fmt.sign_mask, fmt.nan_code)
+        canonical = canonical.to(codes.dtype)
+    return torch.where(torch.isnan(y), canonical, codes).contiguous()
+
+
+def _decode_f32(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Exact float32 values of ``codes`` (native view where torch has the dtype)."""
+    if fmt.name in TORCH_DTYPES:
+        dtype = TORCH_DTYPES[fmt.name]
+        raw = codes.contiguous()
+        raw = raw.view(torch.uint8) if dtype.itemsize == 1 else raw.view(torch.uint16)
+        return raw.view(dtype).to(torch.float32)
+    table = torch.from_numpy(decode_table(fmt, "float32").copy()).to(codes.device)
+    idx = codes.to(torch.int64) & ((1 << fmt.bits) - 1)
+    return table[idx]
+
+
+class TorchBackend(Backend):
+    """torch native casts (CPU or CUDA); ``torch._scaled_mm`` where the GPU has it."""
+
+    name = "torch"
+
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        x = check_input(x)
+        if x.numel() == 0:
+            return torch.zeros((), dtype=torch.float32, device=x.device)
+        return x.detach().to(torch.float32).abs().amax()
+
+    def quantize_with_amax(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale: Any = 1.0,
+        *,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = check_input(x)
+        fmt = get_format(fmt)
+        s = as_scale(scale, tuple(x.shape), x.device)
+        y = x.detach().to(torch.float32) * s
+        codes = _cast(y, fmt, rounding, saturate, seed, srbits)
+        return codes, reciprocal(s), self.amax(x)
+
+    def dequantize(
+        self,
+        codes: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale_inv: Any = 1.0,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        fmt = get_format(fmt)
+        codes = check_codes(codes, fmt)
+        s = as_scale(scale_inv, tuple(codes.shape), codes.device, "scale_inv")
+        return (_decode_f32(codes, fmt) * s).to(out_dtype)
+
+    def cast_transpose_with_amax(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale: Any = 1.0,
+        *,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if check_input(x).dim() != 2:
+            raise ValueError(f"cast_transpose: x must be 2-D, got shape {tuple(x.shape)}")
+        codes, scale_inv, amax = self.quantize_with_amax(
+            x, fmt, scale, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits
+        )
+        return codes, codes.t().contiguous(), scale_inv, amax
+
+    def scaled_mm(
+        self,
+        a_codes: torch.Tensor,
+        a_fmt: FloatFormat | str,
+        a_scale_inv: Any,
+        b_codes: torch.Tensor,
+        b_fmt: FloatFormat | str,
+        b_scale_inv: Any,
+        *,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        a_fmt, b_fmt = get_format(a_fmt), get_format(b_fmt)
+        check_mm(a_codes, b_codes, a_fmt, b_fmt)
+        m, n = a_codes.shape[0], b_codes.shape[1]
+        dev = a_codes.device
+        sa = check_scale_inv(a_scale_inv, m, n, "a_scale_inv", "row").to(dev)
+        sb = check_scale_inv(b_scale_inv, m, n, "b_scale_inv", "col").to(dev)
+        if _scaled_mm_ok(a_codes, a_fmt, sa, b_codes, b_fmt, sb, out_dtype):
+            a8 = a_codes.contiguous().view(TORCH_DTYPES[a_fmt.name])
+            b8 = b_codes.t().contiguous().view(TORCH_DTYPES[b_fmt.name]).t()  # column-major
+            return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        acc = _decode_f32(a_codes, a_fmt) @ _decode_f32(b_codes, b_fmt)  # float32 accumulate
+        return (acc * sa * sb).to(out_dtype)
+
+    def adam_step(
+        self,
+        param: torch.Tensor,
+        param_scale_inv: Any,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_scale_inv: Any,
+        exp_avg_sq: torch.Tensor,
+        exp_avg_sq_scale_inv: Any = 1.0,
+        *,
+        step: int,
+        lr: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        grad_scale_inv: Any = 1.0,
+        param_scale: Any = None,
+        exp_avg_scale: Any = None,
+        exp_avg_sq_scale: Any = None,
+        exp_avg_fmt: FloatFormat | str = "e4m3",
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+    ) -> AdamStepResult:
+        """See :meth:`Backend.adam_step`; separate torch float32 ops, so no op is fused."""
+        args = check_adam_args(
+            param, param_scale_inv, grad, exp_avg, exp_avg_scale_inv, exp_avg_sq,
+            exp_avg_sq_scale_inv, grad_scale_inv, param_scale, exp_avg_scale, exp_avg_sq_scale,
+            exp_avg_fmt, rounding, seed,
+        )
+        fmt, s = args["fmt"], args["scalars"]
+        c = {k: float(v) for k, v in adam_constants(step, lr, beta1, beta2, eps, weight_decay).items()}
+        f32 = torch.float32
+        g = grad.detach().to(f32) * s["grad_scale_inv"]
+        w = param.detach().to(f32) * s["param_scale_inv"]
+        m = _decode_f32(exp_avg.detach(), fmt) * s["exp_avg_scale_inv"]
+        v = exp_avg_sq.detach().to(f32) * s["exp_avg_sq_scale_inv"]
+        m = m * c["beta1"] + g * c["one_minus_beta1"]
+        v = v * c["beta2"] + (g * g) * c["one_minus_beta2"]
+        denom = torch.sqrt(v / c["bias_correction2"]) + c["eps"]
+        u = (m / c["bias_correction1"]) / denom
+        w = w * c["decay"] - u * c["lr"]
+        fp16 = get_format("fp16")
+        new_param = _cast(w * s["param_scale"], fp16, rounding, saturate, seed, None)
+        new_m = _cast(m * s["exp_avg_scale"], fmt, rounding, saturate, seed, None)
+        new_v = _cast(v * s["exp_avg_sq_scale"], fp16, rounding, saturate, seed, None)
+        param.copy_(new_param.view(torch.float16))
+        exp_avg.copy_(new_m.view(exp_avg.dtype))
+        exp_avg_sq.copy_(new_v.view(torch.float16))
+        return AdamStepResult(
+            reciprocal(s["param_scale"]),
+            reciprocal(s["exp_avg_scale"]),
+            reciprocal(s["exp_avg_sq_scale"]),
+            w.abs().amax() if w.numel() else torch.zeros((), dtype=f32, device=w.device),
+            m.abs().amax() if m.numel() else torch.zeros((), dtype=f32, device=w.device),
+            v.abs().amax() if v.numel() else torch.zeros((), dtype=f32, device=w.device),
+        )
+
+
+def _scaled_mm_ok(a: torch.Tensor, a_fmt: FloatFormat, sa: torch.Tensor, b: torch.Tensor,
+                  b_fmt: FloatFormat, sb: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` can compute this product (else: float32 fallback)."""
+    if a.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    if torch.cuda.get_device_capability(a.device) < (8, 9):
+        return False
+    if a_fmt.name not in ("e4m3", "e5m2") or b_fmt.name not in ("e4m3", "e5m2"):
+        return False
+    if a_fmt.name == "e5m2" and b_fmt.name == "e5m2":
+        return False  # cuBLASLt has no e5m2 x e5m2 kernel
+    m, k = a.shape
+    n = b.shape[1]
+    if m % 16 or k % 16 or n % 16:
+        return False
+    per_tensor = sa.dim() == 0 and sb.dim() == 0
+    rowwise = sa.dim() == 2 and sb.dim() == 2 and out_dtype == torch.bfloat16
+    return out_dtype in (torch.float32, torch.bfloat16, torch.float16) and (per_tensor or rowwise)

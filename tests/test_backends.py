@@ -1,0 +1,355 @@
+"""Conformance of every backend against the emulator (codes compared with torch.equal).
+
+One suite, parametrized over the backends. The expected codes come from ``fp8sim.encode`` called
+here on ``float32(x) * float32(scale)``; GEMMs are checked against a float64 numpy product within
+the float32 accumulation bound; the Adam step bit for bit against the emulator backend and, for
+its meaning, against ``torch.optim.AdamW`` in float64. A backend that lacks a capability must
+raise NotImplementedError (asserted, not skipped).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fp8sim
+from fp8sim import backends
+from fp8sim.backends.cases import edge_values, random_values
+from fp8sim.backends.torch_backend import TORCH_DTYPES
+from fp8sim.emulator import ROUNDING_MODES, decode_table
+
+BACKEND_NAMES = ["emulator", "torch", "triton"]
+FORMATS = ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "e3m4", "e2m1", "e8m0", "fp16", "bf16"]
+SEED = 20261202
+
+
+def torch_supports(fmt: str, rounding: str, saturate: bool) -> bool:
+    """What the torch backend promises (its module docstring)."""
+    return fmt in TORCH_DTYPES and rounding == "rne" and (saturate or fmt != "e4m3")
+
+
+def expect_codes(x: torch.Tensor, fmt, scale, **kw) -> torch.Tensor:
+    """The oracle: ``encode(float32(x) * float32(scale))``, computed here with numpy."""
+    xs = x.detach().float().numpy()
+    s = scale.float().numpy() if isinstance(scale, torch.Tensor) else np.float32(scale)
+    return torch.from_numpy(fp8sim.encode(xs * s, fmt, **kw))
+
+
+def quantize_or_raise(be, x, fmt, scale, rounding, saturate, seed=None):
+    """Run ``be.quantize``; returns codes, or None when the backend must not support it."""
+    kw = dict(rounding=rounding, saturate=saturate, seed=seed)
+    if be.name == "torch" and not torch_supports(fmt, rounding, saturate):
+        with pytest.raises(NotImplementedError, match="torch backend"):
+            be.quantize(x, fmt, scale, **kw)
+        return None
+    codes, scale_inv = be.quantize(x, fmt, scale, **kw)
+    s32 = np.float32(scale)
+    assert scale_inv.dtype == torch.float32 and float(scale_inv) == float(np.float32(1) / s32)
+    return codes
+
+
+@pytest.fixture(scope="module", params=BACKEND_NAMES)
+def be(request):
+    if request.param == "triton":
+        pytest.importorskip("triton")
+    return backends.get(request.param)
+
+
+# -- quantize ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("saturate", [True, False])
+@pytest.mark.parametrize("rounding", ROUNDING_MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_edge_values(be, fmt, rounding, saturate):
+    """Every edge value of the format, every rounding mode, both overflow rules."""
+    x = torch.from_numpy(edge_values(fmt))
+    seed = SEED if rounding == "stochastic" else None
+    f = fp8sim.get_format(fmt)
+    if f.nan == "none":  # no NaN/inf codes: NaN (and overflow unless saturating) must raise
+        kw = dict(rounding=rounding, saturate=saturate, seed=seed)
+        if not (be.name == "torch"):
+            with pytest.raises(ValueError, match="NaN"):
+                be.quantize(x, fmt, 1.0, **kw)
+        x = x[~torch.isnan(x)]
+        if not saturate:
+            x = x[x.abs() <= f.max]
+    codes = quantize_or_raise(be, x, fmt, 1.0, rounding, saturate, seed)
+    if codes is None:
+        return
+    want = expect_codes(x, fmt, 1.0, rounding=rounding, saturate=saturate, seed=seed)
+    assert codes.dtype == want.dtype
+    bad = codes != want
+    assert torch.equal(codes, want), (x[bad][:8].tolist(), codes[bad][:8], want[bad][:8])
+
+
+@pytest.mark.parametrize("fmt", ["e2m3", "e2m1"])
+def test_quantize_overflow_without_inf_or_nan_raises(be, fmt):
+    x = torch.tensor([1.0, 100.0, -3.0])
+    if be.name == "torch":
+        with pytest.raises(NotImplementedError):
+            be.quantize(x, fmt, 1.0, saturate=False)
+        return
+    with pytest.raises(ValueError, match="overflow"):
+        be.quantize(x, fmt, 1.0, saturate=False)
+    codes, _ = be.quantize(x, fmt, 1.0, saturate=True)
+    f = fp8sim.get_format(fmt)
+    assert int(codes[1]) == f.max_code  # saturated to max
+
+
+def _views():
+    """(name, tensor) pairs: the shapes of the issue, plus non-contiguous views."""
+    base = torch.from_numpy(random_values(257 * 31 * 2, seed=3, spread=6.0)).reshape(257, 62)
+    return [
+        ("1x1", base[:1, :1].contiguous()),
+        ("3x130", base.reshape(-1)[: 3 * 130].reshape(3, 130).clone()),
+        ("257x31", base[:, :31].contiguous()),
+        ("257x31 strided", base[:, ::2]),
+        ("31x257 transposed", base[:, 1::2].t()),
+    ]
+
+
+@pytest.mark.parametrize("view", range(5), ids=[n for n, _ in _views()])
+@pytest.mark.parametrize("fmt,rounding", [("e4m3", "rne"), ("e5m2", "stochastic"), ("e4m3fnuz", "up")])
+def test_quantize_shapes_and_views(be, view, fmt, rounding):
+    x = _views()[view][1]
+    seed = SEED if rounding == "stochastic" else None
+    scale = 3.5
+    codes = quantize_or_raise(be, x, fmt, scale, rounding, True, seed)
+    if codes is None:
+        return
+    assert codes.shape == x.shape and codes.is_contiguous()
+    assert torch.equal(codes, expect_codes(x, fmt, scale, rounding=rounding, seed=seed))
+
+
+@pytest.mark.parametrize("kind", ["tensor0d", "row", "col"])
+def test_quantize_scale_shapes(be, kind):
+    x = torch.from_numpy(random_values(3 * 130, seed=5, spread=4.0)).reshape(3, 130)
+    rng = np.random.default_rng(1)
+    shape = {"tensor0d": (), "row": (3, 1), "col": (1, 130)}[kind]
+    scale = torch.from_numpy(np.asarray(np.exp2(rng.integers(-3, 4, shape)) * 1.3, np.float32))
+    codes, scale_inv = be.quantize(x, "e4m3", scale)
+    assert scale_inv.shape == scale.shape
+    assert torch.equal(scale_inv, 1 / scale)
+    assert torch.equal(codes, expect_codes(x, "e4m3", scale))
+    with pytest.raises(ValueError, match="shape"):
+        be.quantize(x, "e4m3", torch.ones(130, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_quantize_input_dtypes(be, dtype):
+    """x is cast to float32 first (exact for fp16/bf16, RNE for float64), then scaled."""
+    x = torch.from_numpy(random_values(600, seed=7, spread=5.0)).to(dtype)
+    codes, _ = be.quantize(x, "e5m2", 0.75)
+    want = torch.from_numpy(fp8sim.encode(x.float().numpy() * np.float32(0.75), "e5m2"))
+    assert torch.equal(codes, want)
+
+
+def test_quantize_with_amax(be):
+    x = torch.from_numpy(random_values(3 * 130, seed=11)).reshape(3, 130)
+    x[1, 7] = -1e30
+    codes, _, amax = be.quantize_with_amax(x, "e4m3", 2.0)
+    assert amax.dtype == torch.float32 and amax.dim() == 0
+    assert float(amax) == float(np.float32(1e30))
+    assert torch.equal(codes, expect_codes(x, "e4m3", 2.0))
+
+
+def test_bad_arguments(be):
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match="rounding"):
+        be.quantize(x, "e4m3", 1.0, rounding="nearest")
+    with pytest.raises(ValueError, match="seed"):
+        be.quantize(x, "e4m3", 1.0, rounding="stochastic")
+    with pytest.raises(ValueError, match="unknown format"):
+        be.quantize(x, "e9m9x", 1.0)
+    with pytest.raises(TypeError):
+        be.quantize(torch.ones(4, dtype=torch.int32), "e4m3", 1.0)
+
+
+# -- amax -------------------------------------------------------------------------------------
+
+
+def test_amax(be):
+    x = torch.from_numpy(random_values(257 * 31, seed=2)).reshape(257, 31)
+    assert float(be.amax(x)) == float(np.abs(x.numpy()).max())
+    assert float(be.amax(x[:, ::3])) == float(np.abs(x.numpy()[:, ::3]).max())
+    y = x.clone()
+    y[100, 3] = float("-inf")
+    assert float(be.amax(y)) == float("inf")
+    y[5, 5] = float("nan")
+    assert torch.isnan(be.amax(y))
+    assert float(be.amax(torch.zeros(0))) == 0.0
+    assert float(be.amax(-torch.zeros(3, 3))) == 0.0
+
+
+# -- dequantize -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e4m3fnuz", "e3m4", "e2m1", "e8m0"])
+def test_dequantize_every_code(be, fmt, out_dtype):
+    f = fp8sim.get_format(fmt)
+    codes = torch.arange(f.num_codes, dtype=torch.int32).to(torch.uint8).reshape(1, -1)
+    scale_inv = np.float32(0.3)
+    want = torch.from_numpy(decode_table(f, np.float32) * scale_inv).to(out_dtype).reshape(1, -1)
+    got = be.dequantize(codes, fmt, float(scale_inv), out_dtype=out_dtype)
+    assert got.dtype == out_dtype and got.shape == codes.shape
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan], want[~nan])
+
+
+def test_dequantize_strided_and_rowwise(be):
+    rng = np.random.default_rng(4)
+    codes = torch.from_numpy(rng.integers(0, 0x7E, (257, 62), dtype=np.uint8))
+    view = codes[:, ::2]
+    sinv = torch.from_numpy(rng.uniform(0.5, 2, (257, 1)).astype(np.float32))
+    got = be.dequantize(view, "e4m3", sinv)
+    want = fp8sim.decode(view.contiguous().numpy(), "e4m3") * sinv.numpy()
+    assert torch.equal(got, torch.from_numpy(want))
+
+
+# -- cast-transpose ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 130), (257, 31)])
+def test_cast_transpose(be, shape):
+    x = torch.from_numpy(random_values(shape[0] * shape[1], seed=9, spread=8)).reshape(shape)
+    rounding = "rne" if be.name == "torch" else "stochastic"
+    seed = None if be.name == "torch" else SEED
+    codes, codes_t, scale_inv = be.cast_transpose(x, "e4m3", 1.25, rounding=rounding, seed=seed)
+    want = expect_codes(x, "e4m3", 1.25, rounding=rounding, seed=seed)
+    assert torch.equal(codes, want)
+    assert codes_t.is_contiguous() and torch.equal(codes_t, want.t())
+    assert float(scale_inv) == float(np.float32(1) / np.float32(1.25))
+
+
+# -- scaled GEMM ------------------------------------------------------------------------------
+
+
+def finite_codes(fmt: str, shape, rng) -> torch.Tensor:
+    """Random codes of finite values (no NaN/inf codes)."""
+    table = decode_table(fmt, np.float64)
+    ok = np.flatnonzero(np.isfinite(table)).astype(np.uint8)
+    return torch.from_numpy(ok[rng.integers(0, ok.size, shape)])
+
+
+def gemm_reference(a, a_fmt, sa, b, b_fmt, sb):
+    """float64 reference and the float32 accumulation error bound for each output element."""
+    av = decode_table(a_fmt, np.float64)[a.numpy().astype(np.int64)]
+    bv = decode_table(b_fmt, np.float64)[b.numpy().astype(np.int64)]
+    sa, sb = np.asarray(sa, np.float64), np.asarray(sb, np.float64)
+    ref = (av @ bv) * sa * sb
+    k = a.shape[1]
+    u = 2.0**-24
+    bound = (k + 2) * u * (np.abs(av) @ np.abs(bv)) * np.abs(sa * sb) + 2.0**-149
+    return ref, bound
+
+
+@pytest.mark.parametrize("scales", ["tensor", "rowcol"])
+@pytest.mark.parametrize("mkn", [(1, 1, 1), (3, 130, 31), (33, 64, 17)])
+@pytest.mark.parametrize("fmts", [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e3m4")])
+def test_scaled_mm(be, mkn, fmts, scales):
+    m, k, n = mkn
+    rng = np.random.default_rng(m * 1000 + k + n)
+    a = finite_codes(fmts[0], (m, k), rng)
+    b_nk = finite_codes(fmts[1], (n, k), rng)
+    b = b_nk.t()  # non-contiguous (K, N) view, as a linear layer passes W^T
+    if scales == "tensor":
+        sa, sb = torch.tensor(0.37), torch.tensor(2.5)
+    else:
+        sa = torch.from_numpy(rng.uniform(0.1, 4, (m, 1)).astype(np.float32))
+        sb = torch.from_numpy(rng.uniform(0.1, 4, (1, n)).astype(np.float32))
+    ref, bound = gemm_reference(a, fmts[0], sa.numpy(), b, fmts[1], sb.numpy())
+    got = be.scaled_mm(a, fmts[0], sa, b, fmts[1], sb)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    err = np.abs(got.double().numpy() - ref)
+    assert np.all(err <= bound + 2.0**-24 * np.abs(ref)), float((err - bound).max())
+
+
+def test_scaled_mm_out_dtype_and_errors(be):
+    rng = np.random.default_rng(8)
+    a, b = finite_codes("e4m3", (16, 32), rng), finite_codes("e4m3", (32, 16), rng)
+    ref, bound = gemm_reference(a, "e4m3", 0.5, b, "e4m3", 0.25)
+    got = be.scaled_mm(a, "e4m3", 0.5, b, "e4m3", 0.25, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    err = np.abs(got.double().numpy() - ref)
+    assert np.all(err <= bound + 2.0**-8 * np.abs(ref))
+    with pytest.raises(ValueError, match="scaled_mm"):
+        be.scaled_mm(a, "e4m3", 1.0, a, "e4m3", 1.0)
+    with pytest.raises(ValueError, match="b_scale_inv"):
+        be.scaled_mm(a, "e4m3", 1.0, b, "e4m3", torch.ones(16, 1))
+
+
+# -- fused FP8-LM Adam ------------------------------------------------------------------------
+
+
+def adam_state(shape, seed):
+    """(param fp16, grad, exp_avg codes, exp_avg_sq fp16) and their scale_invs."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape).astype(np.float32) * 0.02
+    g = (rng.standard_normal(shape) * 1e-3).astype(np.float32)
+    m = (rng.standard_normal(shape) * 1e-3).astype(np.float32)
+    v = (rng.standard_normal(shape) * 1e-3).astype(np.float32) ** 2
+    ws, ms, vs = np.float32(1024.0), np.float32(2.0**14), np.float32(2.0**20)
+    param = torch.from_numpy(fp8sim.encode(w * ws, "fp16").view(np.float16))
+    exp_avg = torch.from_numpy(fp8sim.encode(m * ms, "e4m3"))
+    exp_avg_sq = torch.from_numpy(fp8sim.encode(v * vs, "fp16").view(np.float16))
+    return torch.from_numpy(g), param, exp_avg, exp_avg_sq, (1 / ws, 1 / ms, 1 / vs)
+
+
+@pytest.mark.parametrize("rounding", ["rne", "stochastic"])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 130), (257, 31)])
+def test_adam_step_matches_emulator(be, shape, rounding):
+    grad, param, exp_avg, exp_avg_sq, (wsi, msi, vsi) = adam_state(shape, 3)
+    ref_state = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    kw = dict(step=3, lr=1e-3, weight_decay=0.1, exp_avg_scale=2.0**13, param_scale=512.0,
+              rounding=rounding, seed=SEED if rounding == "stochastic" else None)
+    if be.name == "torch" and rounding != "rne":
+        with pytest.raises(NotImplementedError):
+            be.adam_step(param, wsi, grad, exp_avg, msi, exp_avg_sq, vsi, **kw)
+        return
+    res = be.adam_step(param, wsi, grad, exp_avg, msi, exp_avg_sq, vsi, **kw)
+    want = backends.get("emulator").adam_step(ref_state[0], wsi, grad, ref_state[1], msi,
+                                              ref_state[2], vsi, **kw)
+    assert torch.equal(param.view(torch.int16), ref_state[0].view(torch.int16))
+    assert torch.equal(exp_avg, ref_state[1])
+    assert torch.equal(exp_avg_sq.view(torch.int16), ref_state[2].view(torch.int16))
+    for got, exp in zip(res, want):
+        assert got.dtype == torch.float32 and torch.equal(got.cpu(), exp.cpu())
+    assert float(res.exp_avg_scale_inv) == 2.0**-13 and float(res.param_scale_inv) == 2.0**-9
+    assert float(res.exp_avg_sq_scale_inv) == float(vsi)  # default: keep the scale
+
+
+def test_adam_step_agrees_with_torch_adamw():
+    """Meaning check: from zero moments, the FP8-LM step equals AdamW up to the storage rounding."""
+    shape = (64, 32)
+    grad, param, exp_avg, exp_avg_sq, (wsi, msi, vsi) = adam_state(shape, 5)
+    exp_avg.zero_()
+    exp_avg_sq.zero_()
+    w0 = param.double() * float(wsi)
+    p = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    p.grad = grad.double()
+    opt.step()
+    res = backends.get("emulator").adam_step(
+        param, wsi, grad, exp_avg, msi, exp_avg_sq, vsi, step=1, lr=1e-3, weight_decay=0.1
+    )
+    w1 = param.double() * float(wsi)
+    # fp16 storage of w * 1024 (|w| < 0.2): half an fp16 ulp of 2^7..2^8 is 2^-4, i.e. 2^-14 in w
+    assert torch.allclose(w1, p.detach(), rtol=0, atol=2.0**-13)
+    m = torch.from_numpy(fp8sim.decode(exp_avg.numpy(), "e4m3")).double() * float(msi)
+    assert torch.allclose(m, opt.state[p]["exp_avg"], rtol=2.0**-4, atol=2.0**-9 * float(msi))
+    assert float(res.param_amax) == pytest.approx(float(p.detach().abs().max()), abs=2.0**-13)
+
+
+# -- registry ---------------------------------------------------------------------------------
+
+
+def test_get():
+    assert backends.get("emulator") is backends.get(" Emulator ")
+    with pytest.raises(ValueError, match="valid: emulator, torch, triton"):
+        backends.get("cuda")
+    with pytest.raises(TypeError):
+        backends.get(3)
