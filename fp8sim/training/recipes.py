@@ -162,7 +162,7 @@ def _te(policy: str, name: str, what: str) -> Recipe:
 
 
 def _mx() -> Recipe:
-    cast = CastConfig("e4m3", "mx", granularity="mx")
+    cast = CastConfig("e4m3", "mx:rceil", granularity="mx")  # E8M0 scale rounded up, as TE and cuBLAS
     return Recipe(
         "mx",
         "MXFP8: E4M3 operands, one E8M0 scale per 32 elements along the reduction axis",
