@@ -189,6 +189,19 @@ def encode_fields(neg, is_nan, is_inf, e, sig, p, params, mode, saturate, r, k):
 
 
 @jit_scalar
+def _normalized(neg, e, sig, p):
+    """Fields of a subnormal input with its leading bit moved up to position ``p``, so that
+    ``e`` is its true exponent (a target may have normals below the input's subnormals)."""
+    if sig == 0:
+        return neg, False, False, e, sig
+    top = np.uint64(1) << np.uint64(p)
+    while sig < top:
+        sig = sig << np.uint64(1)
+        e -= 1
+    return neg, False, False, e, sig
+
+
+@jit_scalar
 def _fields_f32(u):
     """(neg, is_nan, is_inf, e, sig) of a float32 bit pattern (uint32)."""
     neg = (u >> np.uint32(31)) != 0
@@ -197,7 +210,7 @@ def _fields_f32(u):
     if ebits == 0xFF:
         return neg, man != 0, man == 0, np.int64(0), np.uint64(0)
     if ebits == 0:
-        return neg, False, False, np.int64(-126), man
+        return _normalized(neg, np.int64(-126), man, 23)
     return neg, False, False, ebits - 127, man | np.uint64(1 << 23)
 
 
@@ -210,7 +223,7 @@ def _fields_f64(u):
     if ebits == 0x7FF:
         return neg, man != 0, man == 0, np.int64(0), np.uint64(0)
     if ebits == 0:
-        return neg, False, False, np.int64(-1022), man
+        return _normalized(neg, np.int64(-1022), man, 52)
     return neg, False, False, ebits - 1023, man | np.uint64(1 << 52)
 
 
@@ -320,8 +333,9 @@ def encode_f32_fast_kernel(xbits, out, mbits, emin, max_code, mag_bits, over_cod
                            fnuz, mode, saturate):
     """Branch-free twin of :func:`encode_f32_kernel` for the common case, same results.
 
-    Valid for float32 input, a non-stochastic ``mode``, and a signed format with subnormals and
-    a NaN (every 8-bit FP8 format, e3m4, fp16, bf16, eXmY). ``over_code`` is what a non-saturating
+    Valid for float32 input, a non-stochastic ``mode``, and a signed format with subnormals, a
+    NaN and ``emin >= -126`` (every FP8 format, e3m4, fp16, bf16, eXmY up to 8 exponent bits):
+    then float32 subnormals lie in the target's subnormal range and need no normalizing. ``over_code`` is what a non-saturating
     overflow becomes (inf code, else NaN code), ``nan_code`` the positive NaN code, ``fnuz`` 1 when
     -0 has no code (zeros and the NaN then carry no sign). One loop per mode, the mode a constant
     in each, so LLVM folds it and vectorizes; the exhaustive tests hold it to the reference.

@@ -203,7 +203,7 @@ def _fast_path_ok(fmt: FloatFormat, rounding: str) -> bool:
     """Whether the branch-free float32 kernel applies (see encode_f32_fast_kernel)."""
     return (
         rounding != "stochastic" and fmt.signed and fmt.has_subnormals and fmt.has_nan
-        and _USE_FAST_PATH
+        and fmt.emin >= -126 and _USE_FAST_PATH
     )
 
 

@@ -1,0 +1,175 @@
+"""Exhaustive and dense sweeps of the emulator against independent references.
+
+* every float16 and every bfloat16 input, for every format x rounding mode x overflow rule,
+  against the scalar reference (fp8sim.reference, a table-and-bisect algorithm that shares no code
+  with the bit-splitting kernels) -- through all three kernels: the branch-free float32 kernel,
+  the general float32 kernel and the float64 kernel;
+* a float32 sweep of 2**24 bit patterns plus every boundary, against ml_dtypes (round to nearest
+  even, non-saturating) and torch (e4m3fn saturating, e5m2 and FNUZ non-saturating).
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import fp8sim
+from fp8sim import emulator
+from fp8sim.emulator import ROUNDING_MODES
+from fp8sim.reference import encode_reference
+from tests.test_formats import ML_DTYPES
+
+ALL_FORMATS = list(ML_DTYPES) + ["e6m9", "e3m3", "e9m6"]
+EXHAUSTIVE_COUNT = {"n": 0}
+
+
+def _all_inputs(kind: str) -> np.ndarray:
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    if kind == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    return (bits.astype(np.uint32) << 16).view(np.float32)  # every bfloat16
+
+
+def _encode_all_kernels(x32, fmt, mode, sat, kw):
+    """Codes from the fast float32, general float32 and float64 kernels (or the error)."""
+    out = []
+    for use_fast, dtype in ((True, np.float32), (False, np.float32), (False, np.float64)):
+        emulator._USE_FAST_PATH = use_fast
+        try:
+            with np.errstate(invalid="ignore"):  # widening signalling NaNs sets the flag only
+                xd = x32.astype(dtype)
+            out.append(fp8sim.encode(xd, fmt, rounding=mode, saturate=sat, **kw))
+        finally:
+            emulator._USE_FAST_PATH = True
+    return out
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_every_16bit_input_every_mode_matches_reference(kind, name):
+    fmt = fp8sim.get_format(name)
+    x = _all_inputs(kind)
+    rbits = np.random.default_rng(7).integers(0, 1 << 32, x.size, dtype=np.uint32)
+    for mode in ROUNDING_MODES:
+        for sat in (True, False):
+            kw = dict(rbits=rbits, srbits=11) if mode == "stochastic" else {}
+            ref = encode_reference(x, fmt, rounding=mode, saturate=sat, **kw)
+            ok = ref >= 0
+            if not ok.all():
+                # formats without NaN: the emulator must refuse exactly the refused inputs
+                with pytest.raises(ValueError, match=f"{fmt.name}"):
+                    fp8sim.encode(x, fmt, rounding=mode, saturate=sat, **kw)
+                kw = dict(rbits=rbits[ok], srbits=11) if mode == "stochastic" else {}
+            for codes in _encode_all_kernels(x[ok], fmt, mode, sat, kw):
+                mismatch = np.flatnonzero(codes.astype(np.int64) != ref[ok])
+                assert mismatch.size == 0, (
+                    f"{name} {mode} sat={sat}: {mismatch.size} mismatches, first input "
+                    f"{x[ok][mismatch[0]]!r} -> {codes[mismatch[0]]:#x}, "
+                    f"reference {ref[ok][mismatch[0]]:#x}"
+                )
+            EXHAUSTIVE_COUNT["n"] += int(ok.sum()) * 3
+
+
+def test_reference_jit_and_plain_python_agree():
+    """The exhaustive sweeps run the reference jitted; the plain Python must say the same."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([
+        rng.standard_normal(300) * 10.0 ** rng.integers(-12, 6, 300),
+        [0.0, -0.0, np.inf, -np.inf, np.nan, 448.0, 464.0, 464.0001, 2.0**-10, 57344.0, 61440.0],
+    ])
+    rbits = rng.integers(0, 1 << 32, x.size, dtype=np.uint32)
+    for name in ["e4m3", "e5m2", "e4m3fnuz", "e2m1", "e8m0", "bf16"]:
+        for mode in ROUNDING_MODES:
+            for sat in (True, False):
+                kw = dict(rbits=rbits, srbits=7) if mode == "stochastic" else {}
+                a = encode_reference(x, name, rounding=mode, saturate=sat, jit=True, **kw)
+                b = encode_reference(x, name, rounding=mode, saturate=sat, jit=False, **kw)
+                assert np.array_equal(a, b), (name, mode, sat)
+
+
+# -- float32 sweep against ml_dtypes and torch ----------------------------------------------
+
+
+def _float32_sweep() -> np.ndarray:
+    """2**24 float32 bit patterns spread over the whole range, plus every format boundary."""
+    step = 1 << 8
+    pats = np.arange(0, 1 << 32, step, dtype=np.uint64)
+    pats = (pats + (pats >> np.uint64(8)) % np.uint64(step)).astype(np.uint32)  # vary low bits
+    sweep = [pats.view(np.float32)]
+    for name in ML_DTYPES:
+        fmt = fp8sim.get_format(name)
+        mags = emulator.decode_table(fmt, np.float64)[: fmt.max_code + 1]
+        virtual_next = 2 * mags[-1] - mags[-2] if fmt.mantissa_bits else 2 * mags[-1]
+        mags = np.append(mags, virtual_next)
+        ties = (mags[:-1] + mags[1:]) / 2  # every tie, incl. the one just above max
+        pts = np.concatenate([mags, ties, [fmt.min_subnormal / 2, fmt.max]])
+        pts = pts[np.isfinite(pts) & (pts < 3e38)].astype(np.float32)
+        near = [pts, np.nextafter(pts, np.float32(0)), np.nextafter(pts, np.float32(np.inf))]
+        sweep += near + [-p for p in near]
+    sweep.append(np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan], np.float32))
+    return np.concatenate(sweep)
+
+
+@pytest.fixture(scope="module")
+def sweep32():
+    x = _float32_sweep()
+    assert x.size >= 1 << 24
+    return x
+
+
+def _same_codes(ours: np.ndarray, theirs: np.ndarray, fmt) -> np.ndarray:
+    """Elementwise agreement; NaN codes agree when both are NaN (payloads are not semantics)."""
+    a = fp8sim.decode(ours, fmt, dtype=np.float64)
+    b = fp8sim.decode(theirs, fmt, dtype=np.float64)
+    both_nan = np.isnan(a) & np.isnan(b)
+    return both_nan | (ours == theirs)
+
+
+@pytest.mark.parametrize("name", [n for n in ML_DTYPES if n != "e8m0"])
+def test_float32_sweep_matches_ml_dtypes_rne_nonsaturating(sweep32, name):
+    fmt = fp8sim.get_format(name)
+    x = sweep32
+    if fmt.nan == "none":  # ml_dtypes clamps where no NaN exists; compare the finite range only
+        x = x[np.abs(x) <= fmt.max]
+    ours = fp8sim.encode(x, fmt, rounding="rne", saturate=False)
+    with np.errstate(over="ignore", invalid="ignore"):
+        theirs = x.astype(ML_DTYPES[name])
+    theirs = theirs.view(np.uint16 if fmt.bits > 8 else np.uint8) & (fmt.num_codes - 1)
+    bad = np.flatnonzero(~_same_codes(ours, theirs.astype(ours.dtype), fmt))
+    assert bad.size == 0, f"{bad.size} disagreements, first {x[bad[0]]!r}"
+
+
+def test_e8m0_matches_ml_dtypes_except_documented_zero(sweep32):
+    """ml_dtypes maps 0 to NaN; we map it to 2**-127 as torch does (E8M0 has no zero)."""
+    x = sweep32[np.abs(sweep32) > 0]
+    ours = fp8sim.encode(x, "e8m0", saturate=False)
+    with np.errstate(over="ignore", invalid="ignore"):
+        theirs = x.astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
+    assert _same_codes(ours, theirs, fp8sim.get_format("e8m0")).all()
+    assert fp8sim.encode(np.float32(0.0), "e8m0") == 0
+
+
+@pytest.mark.parametrize(
+    "name,torch_dtype,saturate",
+    [
+        ("e4m3", torch.float8_e4m3fn, True),
+        ("e5m2", torch.float8_e5m2, False),
+        ("e4m3fnuz", torch.float8_e4m3fnuz, False),
+        ("e5m2fnuz", torch.float8_e5m2fnuz, False),
+    ],
+)
+def test_float32_sweep_matches_torch(sweep32, name, torch_dtype, saturate):
+    fmt = fp8sim.get_format(name)
+    ours = fp8sim.encode(sweep32, fmt, rounding="rne", saturate=saturate)
+    theirs = torch.from_numpy(sweep32).to(torch_dtype).view(torch.uint8).numpy()
+    bad = np.flatnonzero(~_same_codes(ours, theirs, fmt))
+    assert bad.size == 0, f"{bad.size} disagreements, first {sweep32[bad[0]]!r}"
+
+
+def test_torch_and_ml_dtypes_overflow_rules_differ_as_documented():
+    """Why the comparisons above pick different saturate flags: e4m3fn 500.0."""
+    x = np.array([500.0], np.float32)
+    assert torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).item() == 0x7E
+    assert x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)[0] == 0x7F
+    assert fp8sim.encode(x, "e4m3", saturate=True)[0] == 0x7E
+    assert fp8sim.encode(x, "e4m3", saturate=False)[0] == 0x7F
