@@ -72,6 +72,7 @@ __all__ = [
     "MXScaling",
     "POLICY_SPECS",
     "parse_policy",
+    "format_param",
 ]
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -125,7 +126,7 @@ class ScalingPolicy:
     # -- identity ----------------------------------------------------------------------------
     @property
     def spec(self) -> str:
-        body = ",".join(f"{k}={_format_value(v)}" for k, v in self.params.items())
+        body = ",".join(f"{k}={format_param(v)}" for k, v in self.params.items())
         return f"{self.NAME}:{body}" if body else self.NAME
 
     @property
@@ -498,7 +499,8 @@ def _check_margin(policy: str, margin: float) -> None:
         raise ValueError(f"{policy}: margin must be finite with |margin| <= 126, got {margin}")
 
 
-def _format_value(v: Any) -> str:
+def format_param(v: Any) -> str:
+    """A parameter value as specs spell it (``true``/``false``, ``16``, ``1e-05``)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float):
