@@ -30,7 +30,7 @@ def _losses(run_dir):
     return [(r["step"], r["loss"], r.get("val_loss")) for r in read_metrics(run_dir)]
 
 
-@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "te-delayed", "mx"])
 def test_kill_and_resume_bit_exact(tmp_path, corpus, recipe):
     cfg = _cfg(recipe)
     Trainer(cfg, tmp_path / "full", corpus=corpus).run(progress=False)

@@ -68,8 +68,12 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     policies: dict | None,
     config: dict,
+    extra: dict | None = None,
 ) -> Path:
-    """Write the checkpoint after ``step`` completed steps; returns its path."""
+    """Write the checkpoint after ``step`` completed steps; returns its path.
+
+    ``extra``: more plain-data state stored under its own keys (e.g. a recorder's policies).
+    """
     path = Path(run_dir) / CHECKPOINT_NAME
     payload = {
         "version": _FORMAT_VERSION,
@@ -80,6 +84,10 @@ def save_checkpoint(
         "rng": capture_rng(),
         "config": _to_storable(config),
     }
+    for key, value in (extra or {}).items():
+        if key in payload:
+            raise ValueError(f"save_checkpoint: extra key {key!r} collides with a checkpoint field")
+        payload[key] = _to_storable(value)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     torch.save(payload, tmp)
     os.replace(tmp, path)
@@ -94,6 +102,4 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict:
     payload = torch.load(path, map_location="cpu", weights_only=True)
     if payload.get("version") != _FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint version {payload.get('version')!r}, expected {_FORMAT_VERSION}")
-    payload["policies"] = _from_storable(payload["policies"])
-    payload["config"] = _from_storable(payload["config"])
-    return payload
+    return {k: _from_storable(v) for k, v in payload.items()}

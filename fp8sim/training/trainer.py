@@ -160,16 +160,19 @@ class Trainer:
             self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, foreach=False
         )
         self.start_step = 0
+        ck = None
         if resume:
-            self._resume()
+            ck = self._resume()
         elif (self.out / "metrics.jsonl").exists():
             raise ValueError(f"{self.out} already holds a run; resume it or choose another output directory")
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         self.recorder = recorder_factory(self.model) if recorder_factory else None
+        if ck is not None and self.recorder is not None and ck.get("recorder"):
+            self.recorder.load_state_dict(ck["recorder"])
 
     # -- state ------------------------------------------------------------------------------
-    def _resume(self) -> None:
+    def _resume(self) -> dict:
         ck = load_checkpoint(self.out)
         if ck["config"] != self.cfg.to_dict():
             diff = sorted(k for k, v in self.cfg.to_dict().items() if ck["config"].get(k) != v)
@@ -182,6 +185,7 @@ class Trainer:
         self.start_step = ck["step"]
         rows = [r for r in read_metrics(self.out) if r["step"] <= self.start_step]
         self._write_metrics(rows, mode="w")
+        return ck
 
     def _write_metrics(self, rows: list[dict], mode: str = "a") -> None:
         with open(self.out / "metrics.jsonl", mode) as f:
@@ -196,6 +200,7 @@ class Trainer:
             optimizer=self.optimizer,
             policies=self.fp8.state_dict() if self.fp8 is not None else None,
             config=self.cfg.to_dict(),
+            extra={"recorder": self.recorder.state_dict()} if self.recorder is not None else None,
         )
 
     # -- steps ------------------------------------------------------------------------------

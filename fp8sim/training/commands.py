@@ -1,0 +1,120 @@
+"""``fp8sim train`` and ``fp8sim compare``.
+
+``fp8sim train --recipe R --backend B --steps N [--record DIR] [--seed S] [--out DIR]``: trains the
+tiny byte-level GPT, writes ``metrics.jsonl``, checkpoints and ``run.json`` into ``--out``; a
+progress bar on stderr (loss, tokens/s) when stderr is a terminal and ``--json`` is not given.
+``--resume`` continues the run in ``--out`` from its last checkpoint.
+
+``fp8sim compare RUN_A RUN_B [--plot DIR]``: final loss delta, memory per parameter, FP8
+overflow/underflow events; ``--plot`` writes ``loss_curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["register", "run_train", "run_compare"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from fp8sim.training.recipes import list_recipes
+    from fp8sim.training.trainer import BACKENDS, TrainConfig
+
+    d = TrainConfig()
+    p = subparsers.add_parser(
+        "train",
+        help="train the tiny byte-level GPT with a precision recipe",
+        description="Train the tiny byte-level GPT (default corpus: the Python standard library's .py files).",
+    )
+    p.add_argument("--recipe", default=d.recipe, choices=list_recipes(), help="precision recipe (default %(default)s)")
+    p.add_argument("--backend", default=d.backend, choices=BACKENDS, help="FP8 backend (default %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of init and batches (default %(default)s)")
+    p.add_argument("--out", default=None, help="run directory (default runs/RECIPE-BACKEND-sSEED)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--record", metavar="DIR", default=None, help="write a trace of every FP8 tensor to DIR")
+    p.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="with --record: also save full tensors every K steps (0: never)")
+    p.add_argument("--data", default=None, metavar="FILE|DIR", help="corpus (default: Python stdlib sources)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--n-layer", type=int, default=d.model.n_layer)
+    p.add_argument("--n-head", type=int, default=d.model.n_head)
+    p.add_argument("--n-embd", type=int, default=d.model.n_embd)
+    p.add_argument("--block-size", type=int, default=d.model.block_size)
+    p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    p.set_defaults(func=run_train)
+
+    c = subparsers.add_parser(
+        "compare",
+        help="compare two training runs (loss, memory, FP8 events)",
+        description="Compare run B against run A: final loss delta, bytes per parameter, overflow/underflow.",
+    )
+    c.add_argument("run_a", metavar="RUN_A")
+    c.add_argument("run_b", metavar="RUN_B")
+    c.add_argument("--plot", metavar="DIR", default=None, help="write loss_curves.png into DIR")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=run_compare)
+
+
+def config_from_args(args: argparse.Namespace):
+    from fp8sim.training.model import GPTConfig
+    from fp8sim.training.trainer import TrainConfig
+
+    model = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    return TrainConfig(
+        recipe=args.recipe, backend=args.backend, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        warmup=args.warmup, seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+        data=args.data, model=model,
+    )
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from fp8sim.training.trainer import Trainer
+
+    cfg = config_from_args(args)
+    out = Path(args.out or f"runs/{cfg.recipe}-{cfg.backend}-s{cfg.seed}")
+    factory = None
+    if args.record:
+        from fp8sim.training.recorder import record
+
+        def factory(model):
+            return record(
+                model, args.record, save_every=args.save_every, chunk_steps=max(1, cfg.checkpoint_every),
+                config={"run": cfg.to_dict(), "run_dir": str(out)}, append=args.resume,
+            )
+
+    trainer = Trainer(cfg, out, resume=args.resume, recorder_factory=factory)
+    print(f"fp8sim train: {cfg.recipe} on {cfg.backend}, {trainer.model.num_params():,} parameters, "
+          f"corpus {trainer.corpus.source} ({trainer.corpus.num_bytes:,} bytes) -> {out}", file=sys.stderr)
+    summary = trainer.run(progress=None if not args.json else False)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        mem = summary["memory_bytes_per_param"]
+        print(f"run            {out}")
+        print(f"final loss     {summary['final_loss']:.4f}")
+        print(f"final val loss {summary['final_val_loss']:.4f}")
+        print(f"overflow       {summary['overflow']}   underflow {summary['underflow']}")
+        print(f"bytes/param    {mem['total']:.2f} (weights {mem['weights']:.2f}, grads {mem['grads']:.2f}, "
+              f"optimizer {mem['optimizer']:.2f})")
+        print(f"median step    {summary['median_step_time_s'] * 1e3:.1f} ms")
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from fp8sim.training.compare import compare_runs, format_comparison, plot_loss_curves
+
+    result = compare_runs(args.run_a, args.run_b)
+    if args.plot:
+        png = plot_loss_curves([args.run_a, args.run_b], Path(args.plot) / "loss_curves.png")
+        result["plot"] = str(png)
+        print(f"fp8sim compare: wrote {png}", file=sys.stderr)
+    print(json.dumps(result, indent=2) if args.json else format_comparison(result))
+    return 0
