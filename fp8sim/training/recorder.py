@@ -99,7 +99,7 @@ class Recorder:
             layers = [(n, m) for n, m in self.model.named_modules() if type(m) is nn.Linear]
             for name, mod in layers:
                 self._handles.append(mod.register_forward_pre_hook(self._make_forward_hook(name)))
-                self._handles.append(mod.register_full_backward_hook(self._make_backward_hook(name)))
+                self._handles.append(mod.register_forward_hook(self._make_output_hook(name)))
         if self.state is None or "weight_grad" not in self.state.casts:
             seen: set[int] = set()
             for name, mod in layers:
@@ -122,12 +122,16 @@ class Recorder:
 
         return hook
 
-    def _make_backward_hook(self, name: str):
-        def hook(module: nn.Linear, grad_input, grad_output) -> None:
-            g = grad_output[0]
-            if g is None or self.step < 1:
-                return
-            self._record_hypothetical(f"{name}.grad_output", "grad_output", g.detach().reshape(-1, g.shape[-1]))
+    def _make_output_hook(self, name: str):
+        # the output gradient, through a hook on the output tensor (a module backward hook
+        # would warn when the layer's input needs no gradient)
+        def on_grad(g: torch.Tensor) -> None:
+            if self._handles and self.step >= 1:  # not after close()
+                self._record_hypothetical(f"{name}.grad_output", "grad_output", g.detach().reshape(-1, g.shape[-1]))
+
+        def hook(module: nn.Linear, args, output) -> None:
+            if torch.is_grad_enabled() and self.step >= 1 and output.requires_grad:
+                output.register_hook(on_grad)
 
         return hook
 
