@@ -1,0 +1,539 @@
+"""Open tensor dumps safely and lazily: safetensors, torch .pt/.pth, .npy, .npz, directories of
+them, and fp8sim traces.
+
+Everything is untrusted input:
+
+* ``.pt``/``.pth`` load only through ``torch.load(..., weights_only=True)``: a pickle that wants
+  to import or call code is refused with a clear message and never executed.
+* ``.npy``/``.npz`` load with ``allow_pickle=False`` semantics (object arrays are refused).
+* safetensors headers are parsed and checked here (offsets inside the file, sizes matching
+  shapes) before a byte of tensor data is read.
+
+Memory: tensor data is never loaded whole. A :class:`TensorSource` hands out flat C-order element
+ranges (``read(start, stop)``) through ``os.pread`` (safetensors, .npy, stored .npz members), a
+sequential decompressing stream (deflated .npz members), or torch's mmap with the pages dropped
+again after each range (.pt), so resident memory stays bounded by the chunk size, not the dump.
+
+Nested containers (dicts, lists, tuples in a .pt; ``/`` in npz member names) become dotted names:
+``{"model": {"layers": [{"w": t}]}}`` -> ``model.layers.0.w``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from fp8sim.trace import TraceReader, is_trace
+
+__all__ = [
+    "TensorSource",
+    "Dump",
+    "open_dump",
+    "expand_paths",
+    "iter_dumps",
+    "DUMP_SUFFIXES",
+    "FLOAT_DTYPES",
+]
+
+#: file suffixes recognised inside directories
+DUMP_SUFFIXES = (".safetensors", ".pt", ".pth", ".npy", ".npz")
+#: dtypes the analysis reads (others are listed as skipped)
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+_ST_DTYPES = {
+    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}  # fmt: skip
+_ITEMSIZE = {
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2,
+    "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}  # fmt: skip
+_RAW = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64}
+
+
+def _widen(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """float32/float64 values of raw elements (bfloat16 given as uint16 bits); exact."""
+    if dtype == "bfloat16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float16":
+        return raw.astype(np.float32)
+    return raw
+
+
+@dataclass
+class TensorSource:
+    """One tensor in a dump, read lazily.
+
+    Attributes:
+        name: dotted name inside the dump (``model.layers.0.w``; ``w@step100`` in a trace).
+        file: the file it lives in.
+        shape: tuple of ints.
+        dtype: ``float16 | bfloat16 | float32 | float64`` (or another dtype name for tensors the
+            analysis skips; see :attr:`is_float`).
+    """
+
+    name: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+    _read_raw: Callable[[int, int], np.ndarray] = field(repr=False, default=None)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of the flat C-order tensor as float32 (float16/bfloat16/
+        float32 inputs, exact) or float64. Raises ValueError naming the file if the data cannot
+        be read (truncated, corrupt)."""
+        if not self.is_float:
+            raise TypeError(f"{self.file}: {self.name} has dtype {self.dtype}, not a float tensor")
+        start, stop = max(0, int(start)), min(self.numel, int(stop))
+        if stop <= start:
+            return np.zeros(0, np.float64 if self.dtype == "float64" else np.float32)
+        try:
+            raw = self._read_raw(start, stop)
+        except ValueError:
+            raise
+        except Exception as exc:  # zlib/zip/OS errors while streaming
+            raise ValueError(f"{self.file}: cannot read {self.name}: {exc}") from None
+        return _widen(raw, self.dtype)
+
+    def read_all(self) -> np.ndarray:
+        """The whole tensor in its shape (float32/float64). Loads it into memory."""
+        return self.read(0, self.numel).reshape(self.shape)
+
+
+@dataclass
+class Dump:
+    """An opened dump: ``tensors`` (float and non-float sources), ``skipped`` (name, reason) for
+    entries that are no tensors at all, ``kind`` and, for traces, ``trace`` (a TraceReader)."""
+
+    path: str
+    kind: str
+    tensors: list[TensorSource]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    trace: TraceReader | None = None
+
+
+# ------------------------------------------------------------------------------------------
+# byte ranges
+# ------------------------------------------------------------------------------------------
+def _pread_reader(path: str, offset: int, raw_dtype: Any, itemsize: int):
+    """read(start, stop) of elements at byte ``offset`` of ``path`` through os.pread."""
+
+    def read(start: int, stop: int) -> np.ndarray:
+        nbytes = (stop - start) * itemsize
+        buf = bytearray(nbytes)
+        with open(path, "rb", buffering=0) as f:
+            view = memoryview(buf)
+            got = 0
+            while got < nbytes:
+                n = os.preadv(f.fileno(), [view[got:]], offset + start * itemsize + got)
+                if n == 0:
+                    raise ValueError(
+                        f"{path}: truncated: data ends {nbytes - got} bytes early"
+                    )
+                got += n
+        return np.frombuffer(buf, dtype=raw_dtype)
+
+    return read
+
+
+# ------------------------------------------------------------------------------------------
+# safetensors
+# ------------------------------------------------------------------------------------------
+def _open_safetensors(path: str) -> Dump:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header size)")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > min(size - 8, 100 << 20):
+            raise ValueError(f"{path}: corrupt safetensors: header size {hlen} exceeds the file")
+        try:
+            header = json.loads(f.read(hlen))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
+    data_start = 8 + hlen
+    data_size = size - data_start
+    tensors, skipped = [], []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            st_dtype, shape = info["dtype"], tuple(int(s) for s in info["shape"])
+            begin, end = (int(v) for v in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: corrupt safetensors header entry {name!r}") from None
+        dtype = _ST_DTYPES.get(st_dtype)
+        if dtype is None:
+            skipped.append((name, f"unsupported dtype {st_dtype}"))
+            continue
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if any(s < 0 for s in shape) or end - begin != numel * _ITEMSIZE[dtype] or begin < 0:
+            raise ValueError(
+                f"{path}: corrupt safetensors: {name!r} has {end - begin} bytes for shape "
+                f"{list(shape)} of {st_dtype}"
+            )
+        if end > data_size:
+            raise ValueError(
+                f"{path}: truncated safetensors: {name!r} needs bytes up to {end}, "
+                f"the data section has {data_size}"
+            )
+        reader = None
+        if dtype in _RAW:
+            reader = _pread_reader(path, data_start + begin, _RAW[dtype], _ITEMSIZE[dtype])
+        tensors.append(TensorSource(name, path, shape, dtype, reader))
+    return Dump(path, "safetensors", tensors, skipped)
+
+
+# ------------------------------------------------------------------------------------------
+# numpy
+# ------------------------------------------------------------------------------------------
+def _npy_header(f, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    except Exception as exc:
+        raise ValueError(f"{where}: corrupt .npy header ({exc})") from None
+    if dtype.hasobject:
+        raise ValueError(f"{where}: object arrays are refused (they are pickles)")
+    return tuple(shape), bool(fortran), dtype
+
+
+def _np_dtype_name(dt: np.dtype) -> tuple[str, Any]:
+    """(dtype name, raw numpy dtype to read) for a .npy dtype (ml_dtypes bfloat16 is V2/'bfloat16')."""
+    if dt.name == "bfloat16" or (dt.kind == "V" and dt.itemsize == 2 and "bfloat16" in str(dt)):
+        return "bfloat16", np.dtype(np.uint16).newbyteorder(dt.byteorder if dt.byteorder in "<>" else "=")
+    if dt.kind == "f" and dt.itemsize in (2, 4, 8):
+        return dt.name, dt
+    return dt.name, None
+
+
+def _fortran_reader(base_read: Callable, shape: tuple[int, ...], raw: Any):
+    """Fortran-ordered arrays: read the whole array once (they are rare), then serve C order."""
+    cache: dict[str, np.ndarray] = {}
+
+    def read(start: int, stop: int) -> np.ndarray:
+        if "a" not in cache:
+            n = int(np.prod(shape)) if shape else 1
+            cache["a"] = np.ascontiguousarray(base_read(0, n).reshape(shape[::-1]).T).reshape(-1)
+        return cache["a"][start:stop]
+
+    return read
+
+
+def _open_npy(path: str) -> Dump:
+    with open(path, "rb") as f:
+        shape, fortran, dt = _npy_header(f, path)
+        offset = f.tell()
+    name, raw = _np_dtype_name(dt)
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    have = os.path.getsize(path) - offset
+    if have < numel * dt.itemsize:
+        raise ValueError(
+            f"{path}: truncated .npy: {numel * dt.itemsize} data bytes expected, {have} present"
+        )
+    reader = None
+    if raw is not None:
+        reader = _pread_reader(path, offset, raw, dt.itemsize)
+        if fortran and len(shape) > 1:
+            reader = _fortran_reader(reader, shape, raw)
+    return Dump(path, "npy", [TensorSource(Path(path).stem, path, shape, name, reader)])
+
+
+def _zip_data_offset(path: str, info: zipfile.ZipInfo) -> int:
+    """Byte offset of a stored zip member's data (after its local header)."""
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        raise ValueError(f"{path}: corrupt zip local header of {info.filename}")
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def _stream_reader(path: str, member: str, header_len: int, raw: Any, itemsize: int):
+    """Sequential reads of a deflated npz member; a backwards read reopens the stream."""
+    state: dict[str, Any] = {"pos": None, "zf": None, "fh": None}
+
+    def read(start: int, stop: int) -> np.ndarray:
+        if state["pos"] is None or start < state["pos"]:
+            if state["zf"] is not None:
+                state["fh"].close()
+                state["zf"].close()
+            state["zf"] = zipfile.ZipFile(path)
+            state["fh"] = state["zf"].open(member)
+            state["fh"].read(header_len)
+            state["pos"] = 0
+        fh = state["fh"]
+        skip = (start - state["pos"]) * itemsize
+        while skip > 0:
+            got = fh.read(min(skip, 1 << 24))
+            if not got:
+                raise ValueError(f"{path}: truncated npz member {member}")
+            skip -= len(got)
+        want = (stop - start) * itemsize
+        data = fh.read(want)
+        if len(data) != want:
+            raise ValueError(f"{path}: truncated npz member {member}")
+        state["pos"] = stop
+        return np.frombuffer(data, dtype=raw)
+
+    return read
+
+
+def _open_npz(path: str) -> Dump:
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise ValueError(f"{path}: corrupt .npz ({exc})") from None
+    tensors, skipped = [], []
+    with zf:
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                skipped.append((info.filename, "not an .npy member"))
+                continue
+            member_name = info.filename[: -len(".npy")].replace("/", ".")
+            try:
+                with zf.open(info) as fh:
+                    shape, fortran, dt = _npy_header(fh, f"{path}:{info.filename}")
+                    header_len = fh.tell()
+            except (zipfile.BadZipFile, OSError, EOFError) as exc:
+                raise ValueError(f"{path}: corrupt .npz member {info.filename} ({exc})") from None
+            name, raw = _np_dtype_name(dt)
+            numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if info.file_size - header_len != numel * dt.itemsize:
+                raise ValueError(
+                    f"{path}: corrupt .npz member {info.filename}: size does not match shape"
+                )
+            reader = None
+            if raw is not None:
+                if info.compress_type == zipfile.ZIP_STORED:
+                    off = _zip_data_offset(path, info) + header_len
+                    if off + numel * dt.itemsize > os.path.getsize(path):
+                        raise ValueError(f"{path}: truncated .npz: member {info.filename} cut off")
+                    reader = _pread_reader(path, off, raw, dt.itemsize)
+                else:
+                    reader = _stream_reader(path, info.filename, header_len, raw, dt.itemsize)
+                if fortran and len(shape) > 1:
+                    reader = _fortran_reader(reader, shape, raw)
+            tensors.append(TensorSource(member_name, path, shape, name, reader))
+    return Dump(path, "npz", tensors, skipped)
+
+
+# ------------------------------------------------------------------------------------------
+# torch
+# ------------------------------------------------------------------------------------------
+_libc = None
+
+
+def _drop_pages(addr: int, nbytes: int) -> None:
+    """madvise(MADV_DONTNEED) the whole pages of [addr, addr + nbytes): the mmap'd file pages
+    leave resident memory and are read again from the file if touched."""
+    global _libc
+    if nbytes <= 0 or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return
+    page = mmap.PAGESIZE
+    lo = (addr + page - 1) // page * page
+    hi = (addr + nbytes) // page * page
+    if hi > lo:
+        _libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED)
+
+
+def _torch_reader(t: Any, dtype: str, mmapped: bool):
+    import torch
+
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    if dtype == "bfloat16":
+        flat = flat.view(torch.int16)
+
+    def read(start: int, stop: int) -> np.ndarray:
+        part = flat[start:stop]
+        out = part.numpy().copy()
+        if mmapped:
+            _drop_pages(part.data_ptr(), part.numel() * part.element_size())
+        return out.view(np.uint16) if dtype == "bfloat16" else out
+
+    return read
+
+
+def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]], skipped: list, depth: int = 0) -> None:
+    import torch
+
+    if depth > 64:
+        skipped.append((prefix, "nested too deeply"))
+        return
+    if isinstance(obj, torch.Tensor):
+        out.append((prefix or "tensor", obj))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out, skipped, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out, skipped, depth + 1)
+    elif isinstance(obj, np.ndarray):
+        out.append((prefix or "array", torch.from_numpy(obj)))
+    else:
+        skipped.append((prefix or "value", f"not a tensor ({type(obj).__name__})"))
+
+
+def _torch_dtype_name(dt: Any) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _open_pt(path: str) -> Dump:
+    import torch
+
+    def load(use_mmap: bool):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
+
+    mmapped = True
+    try:
+        try:
+            obj = load(True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc) and "zip" not in str(exc).lower():
+                raise
+            mmapped = False  # the legacy (pre-zip) format cannot be mmap'd
+            obj = load(False)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()
+        detail = next((ln.strip() for ln in first if "GLOBAL" in ln or "Unsupported" in ln), "")
+        raise ValueError(
+            f"{path}: refused: the pickle wants to run code, and .pt files are loaded with "
+            f"torch.load(weights_only=True) only ({detail or 'unsafe pickle'})"
+        ) from None
+    except Exception as exc:  # truncated zip, EOF, bad magic number, ...
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path}: corrupt or truncated torch file ({msg})") from None
+    pairs: list[tuple[str, Any]] = []
+    skipped: list[tuple[str, str]] = []
+    _flatten(obj, "", pairs, skipped)
+    tensors = []
+    for name, t in pairs:
+        dtype = _torch_dtype_name(t.dtype)
+        reader = _torch_reader(t, dtype, mmapped) if dtype in FLOAT_DTYPES else None
+        tensors.append(TensorSource(name, path, tuple(t.shape), dtype, reader))
+    return Dump(path, "pt", tensors, skipped)
+
+
+# ------------------------------------------------------------------------------------------
+# traces
+# ------------------------------------------------------------------------------------------
+def _open_trace(path: str) -> Dump:
+    reader = TraceReader(path)
+    tensors = []
+    for step, name in reader.saved_tensors():
+        f = str(reader.tensor_file(step, name))
+        st = _open_safetensors(f)
+        for src in st.tensors:
+            src.name = f"{name}@step{step}"
+            tensors.append(src)
+    return Dump(path, "trace", tensors, trace=reader)
+
+
+# ------------------------------------------------------------------------------------------
+# entry points
+# ------------------------------------------------------------------------------------------
+_OPENERS = {
+    ".safetensors": _open_safetensors,
+    ".pt": _open_pt,
+    ".pth": _open_pt,
+    ".npy": _open_npy,
+    ".npz": _open_npz,
+}
+
+
+def open_dump(path: str | os.PathLike) -> Dump:
+    """Open one dump file or trace directory (not a plain directory: see :func:`expand_paths`).
+
+    Raises ValueError ``"<path>: <reason>"`` for a missing, unknown, corrupt, truncated or
+    refused (code-running pickle) file.
+    """
+    p = str(path)
+    if os.path.isdir(p):
+        if is_trace(p):
+            return _open_trace(p)
+        raise ValueError(f"{p}: a directory that is not an fp8sim trace; use expand_paths")
+    if not os.path.exists(p):
+        raise ValueError(f"{p}: no such file")
+    suffix = Path(p).suffix.lower()
+    opener = _OPENERS.get(suffix)
+    if opener is None:
+        raise ValueError(
+            f"{p}: unknown dump type {suffix or '(no suffix)'}; valid: "
+            f"{', '.join(DUMP_SUFFIXES)}, or an fp8sim trace directory"
+        )
+    try:
+        return opener(p)
+    except OSError as exc:
+        raise ValueError(f"{p}: cannot read ({exc.strerror or exc})") from None
+
+
+def expand_paths(paths: list[str | os.PathLike]) -> list[str]:
+    """Files and trace directories to open: directories are walked (sorted) for
+    :data:`DUMP_SUFFIXES` files and trace subdirectories. A missing path raises ValueError."""
+    out: list[str] = []
+    for path in paths:
+        p = str(path)
+        if not os.path.exists(p):
+            raise ValueError(f"{p}: no such file or directory")
+        if os.path.isdir(p) and not is_trace(p):
+            for root, dirs, files in os.walk(p):
+                dirs.sort()
+                traces = [d for d in dirs if is_trace(os.path.join(root, d))]
+                out.extend(os.path.join(root, d) for d in traces)
+                dirs[:] = [d for d in dirs if d not in traces]
+                out.extend(
+                    os.path.join(root, f)
+                    for f in sorted(files)
+                    if Path(f).suffix.lower() in DUMP_SUFFIXES
+                )
+        else:
+            out.append(p)
+    return out
+
+
+def iter_dumps(paths: list[str | os.PathLike]) -> Iterator[tuple[str, Dump | ValueError]]:
+    """(path, Dump) per expanded path, or (path, the ValueError) for a bad one."""
+    for p in expand_paths(paths):
+        try:
+            yield p, open_dump(p)
+        except ValueError as exc:
+            yield p, exc

@@ -1,0 +1,206 @@
+"""Replay scaling policies over a recorded trace: what each policy would have done, step by step.
+
+For every policy (a :func:`fp8sim.policies.parse_policy` spec, fresh state) the trace's records
+are fed in order (steps ascending; within a step in recording order). Per record:
+
+1. ``scale = policy.scale_for(name, fmt, current_amax=amax)`` (the recorded amax);
+2. from the record's |x| histogram, the overflow and underflow counts of the cast
+   ``encode(float32(float32(x) * scale))`` under the trace's rounding -- exact when ``scale`` is a
+   power of two, else a (lower, upper) bracket (the histogram bin that straddles the threshold);
+   an *overflow event* when the amax itself rounds above ``fmt.max`` after scaling (exact);
+3. ``policy.observe(name, amax, fmt, numel=..., n_at_max=..., overflow=...)``, where ``n_at_max``
+   counts values that land on ``+-fmt.max`` in the saturating cast (the FP8-LM auto-scaling
+   signal; for a non-power-of-two scale the midpoint of its bracket).
+
+The trace's own scales (what the run did) appear as the pseudo-policy ``recorded``, with the
+recorder's exact counts. Shares: overflow of the finite values, underflow of the nonzero finite
+values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from fp8sim.formats import get_format
+from fp8sim.trace import TraceReader, cast_thresholds
+
+__all__ = ["PolicyReplay", "replay_policies", "RECORDED", "summary_rows"]
+
+#: name of the pseudo-policy made of the trace's own scales and counts
+RECORDED = "recorded"
+
+_COLS = (
+    "step", "tensor", "scale", "exact", "overflow_lo", "overflow_hi", "underflow_lo",
+    "underflow_hi", "event", "finite", "nonzero",
+)  # fmt: skip
+
+
+@dataclass
+class PolicyReplay:
+    """One policy's replay: columns per record (numpy arrays, record order) and its summary.
+
+    Columns: ``step``, ``tensor`` (index into ``names``), ``scale``, ``exact`` (pow2 scale: counts
+    exact), ``overflow_lo/hi``, ``underflow_lo/hi`` (equal when exact), ``event`` (the amax
+    overflowed), ``finite``, ``nonzero`` (share denominators).
+    """
+
+    policy: str
+    names: list[str]
+    cols: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def overflow(self) -> np.ndarray:
+        """Best estimate of overflow per record (exact when ``exact``; else bracket midpoint)."""
+        return (self.cols["overflow_lo"] + self.cols["overflow_hi"]) / 2.0
+
+    @property
+    def underflow(self) -> np.ndarray:
+        return (self.cols["underflow_lo"] + self.cols["underflow_hi"]) / 2.0
+
+    @property
+    def overflow_share(self) -> np.ndarray:
+        return _share(self.overflow, self.cols["finite"])
+
+    @property
+    def underflow_share(self) -> np.ndarray:
+        return _share(self.underflow, self.cols["nonzero"])
+
+    def summary(self) -> dict:
+        """events, overflow total, the worst record (tensor, step) by overflow share then
+        underflow share, median and worst underflow share (percent), share of exact records."""
+        c = self.cols
+        n = int(c["step"].size)
+        out: dict = {"policy": self.policy, "records": n}
+        if n == 0:
+            return out | {"events": 0, "overflow": 0, "worst_tensor": None, "worst_step": None,
+                          "median_underflow_pct": 0.0, "worst_underflow_pct": 0.0,
+                          "exact_pct": 100.0}  # fmt: skip
+        ov, us = self.overflow_share, self.underflow_share
+        worst = int(np.lexsort((us, ov))[-1])
+        wu = int(np.argmax(us))
+        out.update(
+            events=int(c["event"].sum()),
+            overflow=float(self.overflow.sum()),
+            overflow_bounds=[int(c["overflow_lo"].sum()), int(c["overflow_hi"].sum())],
+            worst_tensor=self.names[int(c["tensor"][worst])],
+            worst_step=int(c["step"][worst]),
+            worst_overflow_pct=100.0 * float(ov[worst]),
+            median_underflow_pct=100.0 * float(np.median(us)),
+            worst_underflow_pct=100.0 * float(us[wu]),
+            worst_underflow_tensor=self.names[int(c["tensor"][wu])],
+            worst_underflow_step=int(c["step"][wu]),
+            exact_pct=100.0 * float(c["exact"].mean()),
+        )
+        return out
+
+    def grid(self, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, matrix tensors x steps) of ``overflow_share`` / ``underflow_share`` (NaN where
+        a tensor has no record at a step)."""
+        steps = np.unique(self.cols["step"])
+        mat = np.full((len(self.names), steps.size), np.nan)
+        vals = getattr(self, what)
+        mat[self.cols["tensor"], np.searchsorted(steps, self.cols["step"])] = vals
+        return steps, mat
+
+
+def _share(count: np.ndarray, total: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, count / np.maximum(total, 1), 0.0)
+
+
+def _event(amax: float, scale: float, fmt, rounding: str) -> bool:
+    """Whether ``float32(float32(amax) * scale)`` rounds above fmt.max (exact)."""
+    if not math.isfinite(amax):
+        return False
+    p = float(np.float32(np.float32(amax) * np.float32(scale)))
+    thr = cast_thresholds(fmt, rounding)
+    return p > thr.overflow_at or (thr.overflow_tie and p == thr.overflow_at)
+
+
+def _at_max(hist, fmt, scale: float) -> tuple[int, int]:
+    """Bracket of values that land on +-max in the saturating RNE cast: those rounding to max
+    or above. The boundary is ``max - ulp/2``; its tie goes to max iff max's mantissa is even."""
+    mb = fmt.mantissa_bits
+    half_ulp = 2.0 ** (fmt.emax - mb - 1)
+    even = (fmt.max_code & ((1 << mb) - 1)) % 2 == 0
+    return hist.count_scaled_above(fmt.max - half_ulp, scale, inclusive=even)
+
+
+def replay_policies(
+    trace: TraceReader | str,
+    specs: Sequence[str],
+    *,
+    include_recorded: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> list[PolicyReplay]:
+    """Replay each policy spec over ``trace`` (see the module docstring). Returns one
+    :class:`PolicyReplay` per spec, plus ``recorded`` first when ``include_recorded``.
+
+    Raises ValueError for a bad spec, and for MX policies (a per-tensor trace has no block
+    amaxes to replay them from). ``progress(n)`` is called per record and policy.
+    """
+    from fp8sim.policies import parse_policy
+
+    reader = trace if isinstance(trace, TraceReader) else TraceReader(trace)
+    rounding = reader.rounding
+    policies = []
+    for spec in specs:
+        pol = parse_policy(spec)
+        if getattr(pol, "granularity", "tensor") not in ("tensor", None):
+            raise ValueError(
+                f"policy {spec!r}: {pol.granularity} scaling cannot be replayed from a per-tensor "
+                "trace (it needs per-block amaxes); replay tensor-scaled policies"
+            )
+        policies.append((spec, pol))
+    names = [t.name for t in reader.tensors]
+    outs = []
+    if include_recorded:
+        outs.append((RECORDED, None, {c: [] for c in _COLS}))
+    outs += [(spec, pol, {c: [] for c in _COLS}) for spec, pol in policies]
+    fmts: dict[str, object] = {}
+
+    for rec in reader.records():
+        fmt = fmts.get(rec.format) or fmts.setdefault(rec.format, get_format(rec.format))
+        finite = rec.numel - rec.nan - rec.inf
+        nonzero = finite - rec.zero
+        tid = reader.tensor(rec.name).index
+        for spec, pol, cols in outs:
+            if pol is None:
+                scale = rec.scale
+                ov = (rec.overflow, rec.overflow)
+                un = (rec.underflow, rec.underflow)
+                exact = True
+            else:
+                scale = float(pol.scale_for(rec.name, fmt, current_amax=rec.amax))
+                ov = rec.hist.overflow_bounds(fmt, scale, rounding)
+                un = rec.hist.underflow_bounds(fmt, scale, rounding)
+                exact = ov[0] == ov[1] and un[0] == un[1]
+                am = _at_max(rec.hist, fmt, scale)
+                pol.observe(
+                    rec.name, rec.amax, fmt, numel=rec.numel, n_at_max=int(round(sum(am) / 2)),
+                    overflow=int(round(sum(ov) / 2)),
+                )  # fmt: skip
+            for c, v in zip(
+                _COLS,
+                (rec.step, tid, scale, exact, ov[0], ov[1], un[0], un[1],
+                 _event(rec.amax, scale, fmt, rounding), finite, nonzero),
+            ):  # fmt: skip
+                cols[c].append(v)
+            if progress is not None:
+                progress(1)
+    result = []
+    dtypes = (np.int64, np.int32, np.float64, bool, np.int64, np.int64, np.int64, np.int64,
+              bool, np.int64, np.int64)  # fmt: skip
+    for spec, pol, cols in outs:
+        arrays = {c: np.asarray(cols[c], dtype=dt) for c, dt in zip(_COLS, dtypes)}
+        result.append(PolicyReplay(spec if pol is None else pol.spec, names, arrays))
+    return result
+
+
+def summary_rows(replays: Sequence[PolicyReplay]) -> list[dict]:
+    """The side-by-side summary: one dict per policy (see :meth:`PolicyReplay.summary`)."""
+    return [r.summary() for r in replays]

@@ -1,0 +1,154 @@
+"""analysis.stats: every figure equals what fp8sim.scaling.quantize_scaled + dequantize (and
+fp8sim.decode) give on the whole tensor; counts exactly, float sums to float64 rounding."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import fp8sim
+from analysis.stats import LOG2_EXPONENTS, parse_variants, tensor_stats
+from fp8sim.scaling import compute_amax, dequantize, quantize_scaled, scale_from_amax
+
+SCALINGS = ["none", "tensor", "row", "col", "block:16x16", "block:1x128", "mx", "mx:rceil"]
+
+
+def reference(x, fmt, scaling):
+    """Figures of one variant straight from the emulator on the whole tensor."""
+    fmt = fp8sim.get_format(fmt)
+    x32 = np.asarray(x, dtype=np.float32)
+    x64 = np.asarray(x, dtype=np.float64)
+    g = "tensor" if scaling == "none" else scaling
+    kw = {"scale": np.float32(1)} if scaling == "none" else {}
+    st = quantize_scaled(x, fmt, g, saturate=True, **kw)
+    deq = dequantize(st).astype(np.float64)
+    fin = np.isfinite(x64)
+    lost = fin & np.isnan(deq)  # MX blocks with a NaN scale
+    ok = fin & ~lost
+    dec = np.abs(fp8sim.decode(st.codes, fmt, dtype=np.float64))
+    out = {
+        "underflow": int((ok & (x64 != 0) & (dec == 0)).sum()),
+        "subnormal": int((ok & (dec > 0) & (dec < fmt.min_normal)).sum()),
+        "lost": int(lost.sum()),
+        "err2": math.fsum(((deq[ok] - x64[ok]) ** 2).tolist()),
+    }
+    if fmt.has_nan:  # non-saturating: overflow shows as inf/NaN
+        ns = dequantize(quantize_scaled(x, fmt, g, saturate=False, **kw)).astype(np.float64)
+        out["overflow"] = int((ok & ~np.isfinite(ns)).sum())
+    if scaling == "none":
+        mult = np.float32(1)
+    elif scaling.startswith("mx"):
+        mult = np.float32(1) / np.asarray(st.scale_inv, np.float32)  # powers of two: exact
+    else:
+        mult = scale_from_amax(compute_amax(x, g, ignore_nan=True), fmt)
+    mult = np.asarray(mult)
+    out["scale"] = float(np.nanmin(mult)) if np.isfinite(mult).any() else math.nan
+    return out
+
+
+def mixed(rng, shape, dtype=np.float32):
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-24, 12, shape))
+    x = x.astype(dtype)
+    flat = x.reshape(-1)
+    flat[rng.integers(0, flat.size, 5)] = 0
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e3m4", "e4m3fnuz", "e2m1"])
+def test_figures_equal_the_emulator(fmt):
+    rng = np.random.default_rng(7)
+    x = mixed(rng, (130, 150))
+    x[3, 5], x[7, 9], x[100, 140] = np.nan, np.inf, -np.inf
+    x[10, :] = 0
+    x[20, 3] = 1e4  # overflows unscaled e4m3/e3m4/e2m1
+    if fmt == "e2m1":  # no NaN encoding: the emulator refuses NaN inputs
+        x[3, 5] = 1.0
+    vs = parse_variants([fmt], SCALINGS)
+    st = tensor_stats(x, vs, chunk=4321)  # chunks that cut rows and blocks
+    x64 = x.astype(np.float64)
+    fin = np.isfinite(x64)
+    assert (st.nan, st.inf, st.zero) == (int(np.isnan(x).sum()), 2, int((x == 0).sum()))
+    assert st.amax == float(np.abs(x[fin]).max())
+    assert st.sig2 == pytest.approx(math.fsum((x64[fin] ** 2).tolist()), rel=1e-12)
+    for v, r in zip(vs, st.variants):
+        ref = reference(x, fmt, v.scaling)
+        what = (fmt, v.scaling)
+        assert (r.underflow, r.subnormal, r.lost) == (ref["underflow"], ref["subnormal"], ref["lost"]), what
+        if "overflow" in ref:
+            assert r.overflow == ref["overflow"], what
+        assert r.err2 == pytest.approx(ref["err2"], rel=1e-12, abs=0), what
+        sig2 = st.sig2
+        assert r.sqnr_db == pytest.approx(10 * math.log10(sig2 / ref["err2"]), rel=1e-12), what
+        assert r.rel_mse == pytest.approx(ref["err2"] / sig2, rel=1e-12), what
+        assert r.scale == ref["scale"] or (math.isnan(r.scale) and math.isnan(ref["scale"])), what
+
+
+def test_overflow_counts_against_ml_dtypes():
+    # unscaled casts: ml_dtypes rounds RNE and overflows to inf/NaN (an independent library)
+    rng = np.random.default_rng(8)
+    x = mixed(rng, (64, 100)) * 1e3
+    vs = parse_variants(["e4m3", "e5m2"], ["none"])
+    st = tensor_stats(x, vs)
+    for r, dt in zip(st.variants, (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)):
+        q = x.astype(dt).astype(np.float64)
+        assert r.overflow == int((~np.isfinite(q)).sum()) > 0
+        assert r.underflow == int(((x != 0) & (q == 0)).sum()) > 0
+
+
+def test_dtypes_float64_bf16_torch():
+    rng = np.random.default_rng(9)
+    x64 = mixed(rng, (40, 70), np.float64)
+    x64[0, 0] = 1e-60  # below float32: becomes 0 in the scaled cast (underflow)
+    x64[0, 1] = 1e40  # beyond float32: inf in float32 (overflow of any scale)
+    vs = parse_variants(["e4m3"], ["none", "row"])
+    st = tensor_stats(x64, vs, chunk=999)
+    assert st.dtype == "float64"
+    for v, r in zip(vs, st.variants):
+        ref = reference(x64, "e4m3", v.scaling)
+        assert (r.underflow, r.subnormal, r.overflow) == (ref["underflow"], ref["subnormal"], ref["overflow"])
+        assert r.err2 == pytest.approx(ref["err2"], rel=1e-12)
+    assert st.log2_counts[0] == 1 and st.log2_counts[-1] == 1  # the sentinel binades
+
+    xb = torch.from_numpy(mixed(rng, (33, 65))).to(torch.bfloat16)
+    st_t = tensor_stats(xb, vs)
+    xf = xb.float().numpy()
+    st_f = tensor_stats(xf, vs)
+    assert st_t.dtype == "bfloat16"
+    for a, b in zip(st_t.variants, st_f.variants):
+        assert (a.overflow, a.underflow, a.subnormal, a.err2) == (b.overflow, b.underflow, b.subnormal, b.err2)
+    st_m = tensor_stats(xf.astype(ml_dtypes.bfloat16), vs)
+    assert st_m.variants[1].err2 == st_f.variants[1].err2
+    with pytest.raises(TypeError):
+        tensor_stats(np.arange(10), vs)
+
+
+def test_log2_histogram_and_empty():
+    x = np.array([0.75, 1.0, 1.5, -3.0, 2.0**-140, 0.0, np.nan], np.float32)
+    st = tensor_stats(x, parse_variants(["e4m3"], ["tensor"]))
+    got = dict(zip(LOG2_EXPONENTS[st.log2_counts > 0].tolist(), st.log2_counts[st.log2_counts > 0].tolist()))
+    assert got == {-1: 1, 0: 2, 1: 1, -140: 1}  # floor(log2|x|), a float32 subnormal included
+    e = tensor_stats(np.zeros((0, 4), np.float32), parse_variants(["e4m3"], ["tensor"]))
+    assert e.numel == 0 and e.variants == []
+
+
+def test_records_and_variants_parsing():
+    x = np.linspace(-2, 2, 101, dtype=np.float32)
+    st = tensor_stats(x, parse_variants(["e4m3", "e5m2"], ["tensor", "block:1x32"]), name="t")
+    recs = st.records()
+    assert [(r["format"], r["scaling"]) for r in recs] == [
+        ("e4m3", "tensor"), ("e4m3", "block:1x32"), ("e5m2", "tensor"), ("e5m2", "block:1x32")
+    ]
+    need = {"name", "shape", "dtype", "numel", "format", "scaling", "amax", "scale", "overflow",
+            "underflow", "subnormal", "nan", "inf", "sqnr_db", "rel_mse"}
+    assert need <= set(recs[0])
+    assert recs[0]["scale"] == pytest.approx(448 / 2, rel=1e-7) and recs[0]["amax"] == 2.0
+    with pytest.raises(ValueError, match="e8m0"):
+        parse_variants(["e8m0"], ["tensor"])
+    with pytest.raises(ValueError):
+        parse_variants(["e4m3"], ["diagonal"])
+    with pytest.raises(ValueError, match="mx"):
+        parse_variants(["e4m3"], ["mx"], margin=1)
