@@ -1,0 +1,212 @@
+"""The triton backend: the kernels of ``kernels/`` behind the backend interface.
+
+Runs on a CUDA GPU, or on the CPU through Triton's interpreter when ``TRITON_INTERPRET=1`` was
+set before triton was first imported (the tests do that in ``tests/conftest.py``). Casts use the
+software cast (bit-exact to the emulator for every format, rounding mode and overflow rule);
+``native=True`` on a backend instance enables the hardware fp8 cast for e4m3/e5m2 ``rne``
+saturating casts on GPU (checked against the emulator by ``benchmarks/gpu_check.py``).
+Block and MX scaling: :meth:`TritonBackend.block_quantize`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fp8sim.backends.base import (
+    AdamStepResult,
+    Backend,
+    adam_constants,
+    as_scale,
+    check_adam_args,
+    check_codes,
+    check_input,
+    check_mm,
+    check_rounding,
+    check_scale_inv,
+    reciprocal,
+)
+from fp8sim.formats import FloatFormat, get_format
+from kernels import adam as _adam
+from kernels._cast import is_interpreter
+from kernels.amax import amax as _amax
+from kernels.block_quantize import block_quantize as _block_quantize
+from kernels.cast_transpose import cast_transpose as _cast_transpose
+from kernels.dequantize import dequantize as _dequantize
+from kernels.quantize import quantize as _quantize
+from kernels.scaled_mm import scaled_mm as _scaled_mm
+
+__all__ = ["TritonBackend"]
+
+
+def _check_device(t: torch.Tensor, what: str) -> None:
+    if t.device.type == "cuda" or (is_interpreter() and t.device.type == "cpu"):
+        return
+    raise ValueError(
+        f"triton backend: {what} is on {t.device}; need a CUDA tensor, or CPU tensors with "
+        "TRITON_INTERPRET=1 set before triton is imported"
+    )
+
+
+class TritonBackend(Backend):
+    """Triton kernels (GPU, or the CPU interpreter)."""
+
+    name = "triton"
+
+    def __init__(self, native: bool = False) -> None:
+        #: use the hardware fp8 casts / fp8 tensor-core dot where they compute the same thing
+        self.native = native
+
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        x = check_input(x)
+        _check_device(x, "x")
+        return _amax(x.detach())
+
+    def quantize_with_amax(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale: Any = 1.0,
+        *,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = check_input(x)
+        _check_device(x, "x")
+        fmt = get_format(fmt)
+        check_rounding(rounding, seed)
+        s = as_scale(scale, tuple(x.shape), x.device)
+        codes, amax = _quantize(x.detach(), fmt, s, rounding=rounding, saturate=saturate,
+                                seed=seed, srbits=srbits, native=self.native)
+        return codes, reciprocal(s), amax
+
+    def dequantize(
+        self,
+        codes: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale_inv: Any = 1.0,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        fmt = get_format(fmt)
+        codes = check_codes(codes, fmt)
+        _check_device(codes, "codes")
+        s = as_scale(scale_inv, tuple(codes.shape), codes.device, "scale_inv")
+        return _dequantize(codes, fmt, s, out_dtype)
+
+    def cast_transpose_with_amax(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        scale: Any = 1.0,
+        *,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = check_input(x)
+        _check_device(x, "x")
+        if x.dim() != 2:
+            raise ValueError(f"cast_transpose: x must be 2-D, got shape {tuple(x.shape)}")
+        fmt = get_format(fmt)
+        check_rounding(rounding, seed)
+        s = as_scale(scale, tuple(x.shape), x.device)
+        codes, codes_t, amax = _cast_transpose(x.detach(), fmt, s, rounding=rounding,
+                                               saturate=saturate, seed=seed, srbits=srbits)
+        return codes, codes_t, reciprocal(s), amax
+
+    def block_quantize(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        granularity: str = "block:1x128",
+        *,
+        margin: float = 0,
+        pow2: bool = False,
+        epsilon: float = 0.0,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, scale_inv, amax) with just-in-time per-block scales: the same codes and
+        scales as ``fp8sim.scaling.quantize_scaled(x, fmt, granularity, ...)`` (``row``,
+        ``col``, ``block:RxC``, ``mx``, ``mx:rceil``); for MX also see
+        ``kernels.block_quantize`` for the E8M0 scale codes."""
+        x = check_input(x)
+        _check_device(x, "x")
+        check_rounding(rounding, seed)
+        codes, scale_inv, amax, _ = _block_quantize(
+            x.detach(), fmt, granularity, margin=margin, pow2=pow2, epsilon=epsilon,
+            rounding=rounding, saturate=saturate, seed=seed, srbits=srbits,
+        )
+        return codes, scale_inv, amax
+
+    def scaled_mm(
+        self,
+        a_codes: torch.Tensor,
+        a_fmt: FloatFormat | str,
+        a_scale_inv: Any,
+        b_codes: torch.Tensor,
+        b_fmt: FloatFormat | str,
+        b_scale_inv: Any,
+        *,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        a_fmt, b_fmt = get_format(a_fmt), get_format(b_fmt)
+        check_mm(a_codes, b_codes, a_fmt, b_fmt)
+        _check_device(a_codes, "a_codes")
+        _check_device(b_codes, "b_codes")
+        m, n = a_codes.shape[0], b_codes.shape[1]
+        sa = check_scale_inv(a_scale_inv, m, n, "a_scale_inv", "row")
+        sb = check_scale_inv(b_scale_inv, m, n, "b_scale_inv", "col")
+        return _scaled_mm(a_codes, a_fmt, sa, b_codes, b_fmt, sb, out_dtype=out_dtype,
+                          native=self.native)
+
+    def adam_step(
+        self,
+        param: torch.Tensor,
+        param_scale_inv: Any,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_scale_inv: Any,
+        exp_avg_sq: torch.Tensor,
+        exp_avg_sq_scale_inv: Any = 1.0,
+        *,
+        step: int,
+        lr: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        grad_scale_inv: Any = 1.0,
+        param_scale: Any = None,
+        exp_avg_scale: Any = None,
+        exp_avg_sq_scale: Any = None,
+        exp_avg_fmt: FloatFormat | str = "e4m3",
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+    ) -> AdamStepResult:
+        """See :meth:`Backend.adam_step` (one fused kernel, ``kernels/adam.py``)."""
+        args = check_adam_args(
+            param, param_scale_inv, grad, exp_avg, exp_avg_scale_inv, exp_avg_sq,
+            exp_avg_sq_scale_inv, grad_scale_inv, param_scale, exp_avg_scale, exp_avg_sq_scale,
+            exp_avg_fmt, rounding, seed,
+        )
+        for what, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg),
+                        ("exp_avg_sq", exp_avg_sq)):
+            _check_device(t, what)
+        s = args["scalars"]
+        consts = adam_constants(step, lr, beta1, beta2, eps, weight_decay)
+        scalars = torch.stack([s[name].reshape(()) for name in _adam.SCALARS])
+        amax = _adam.adam_step(param, grad.detach(), exp_avg, exp_avg_sq, scalars, consts,
+                               exp_avg_fmt=args["fmt"], rounding=rounding, saturate=saturate,
+                               seed=seed)
+        return AdamStepResult(
+            reciprocal(s["param_scale"]), reciprocal(s["exp_avg_scale"]),
+            reciprocal(s["exp_avg_sq_scale"]), amax[0], amax[1], amax[2],
+        )
