@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "fp8sim.commands.cast",  # cast
     "fp8sim.commands.conformance",  # conformance
     "fp8sim.training.commands",  # train, compare
+    "analysis.commands",  # analyze, replay
 ]
 
 

@@ -1,0 +1,405 @@
+"""``fp8sim analyze`` and ``fp8sim replay``.
+
+analyze PATH... : statistics of every float tensor in dumps (safetensors, .pt/.pth, .npy, .npz,
+directories, fp8sim traces) under each ``--format`` x ``--scaling``; a worst-first table on stdout,
+``--json FILE`` (``-``: stdout, no table), ``--plot DIR`` PNGs, ``--fail-on`` rules (exit 1).
+replay TRACE --policy SPEC... : what each scaling policy would have done over a recorded trace.
+
+Exit codes: 0 ok; 1 a ``--fail-on`` rule was crossed; 2 bad input (a bad file is named with the
+reason; with ``--keep-going`` the other files are analyzed first and the bad ones listed at the
+end, and the exit code is still 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["register", "run_analyze", "run_replay"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "analyze",
+        help="FP8 statistics of tensor dumps: overflow, underflow, SQNR per format x scaling",
+        description=(
+            "Analyze tensors in .safetensors/.pt/.pth/.npy/.npz files, directories of them, or "
+            "fp8sim traces. .pt files load with torch.load(weights_only=True) only."
+        ),
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="dump files, directories or traces")
+    p.add_argument("--format", default="e4m3,e5m2", help="comma-separated formats (default e4m3,e5m2)")
+    p.add_argument(
+        "--scaling",
+        default="tensor",
+        help="comma-separated: none, tensor, row, col, block:RxC, mx, mx:rceil (default tensor)",
+    )
+    p.add_argument("--margin", type=float, default=0.0, help="scale headroom in binades (default 0)")
+    p.add_argument("--pow2", action="store_true", help="round scales down to powers of two")
+    p.add_argument("--json", metavar="FILE", help="write JSON records to FILE ('-' for stdout)")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--fail-on", metavar="RULES", help='e.g. "overflow>0,underflow>1%%": exit 1 if crossed')
+    p.add_argument("--keep-going", action="store_true", help="analyze the other files past a bad one")
+    p.add_argument("--underflow-warning", type=float, default=0.5, metavar="PCT",
+                   help="underflow share that makes a tensor a warning (default 0.5%%)")  # fmt: skip
+    p.add_argument("--underflow-critical", type=float, default=2.0, metavar="PCT",
+                   help="underflow share that makes a tensor critical (default 2%%)")  # fmt: skip
+    p.add_argument("--top", type=int, default=50, help="table rows to print (0: all; default 50)")
+    p.add_argument("--chunk", type=int, default=1 << 20, help=argparse.SUPPRESS)
+    p.set_defaults(func=run_analyze)
+
+    r = sub.add_parser(
+        "replay",
+        help="replay scaling policies over a recorded trace, side by side",
+        description=(
+            "For each --policy (e.g. 'delayed:history=16,margin=1', 'current:pow2', 'msamp', "
+            "'autoscale', 'static:scale=1'): the scale per tensor and step, overflow events, and "
+            "overflow/underflow shares (exact for power-of-two scales)."
+        ),
+    )
+    r.add_argument("trace", metavar="TRACE", help="an fp8sim trace directory")
+    r.add_argument("--policy", action="append", required=True, metavar="SPEC",
+                   help="a policy spec; repeat for several")  # fmt: skip
+    r.add_argument("--json", metavar="FILE", help="write JSON to FILE ('-' for stdout)")
+    r.add_argument("--plot", metavar="DIR", help="write PNG heatmaps into DIR")
+    r.add_argument("--no-recorded", action="store_true", help="leave out the trace's own scales")
+    r.set_defaults(func=run_replay)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------
+def _split(s: str) -> list[str]:
+    return [t.strip() for t in s.split(",") if t.strip()]
+
+
+def _clean(v: Any) -> Any:
+    """JSON-ready: numpy scalars to Python, non-finite floats to None."""
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.bool_,)):
+        return bool(v)
+    if isinstance(v, (float, np.floating)):
+        return float(v) if math.isfinite(v) else None
+    return v
+
+
+def _write_json(dest: str, obj: Any) -> None:
+    text = json.dumps(_clean(obj), indent=1, allow_nan=False)
+    if dest == "-":
+        sys.stdout.write(text + "\n")
+        return
+    try:
+        with open(dest, "w") as f:
+            f.write(text + "\n")
+    except OSError as exc:
+        raise ValueError(f"--json {dest}: cannot write ({exc.strerror or exc})") from None
+
+
+def _plot_dir(d: str | None) -> str | None:
+    if d is None:
+        return None
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--plot {d}: cannot create directory ({exc.strerror or exc})") from None
+    return d
+
+
+def _progress(total: int, enabled: bool, unit: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, unit_scale=True, file=sys.stderr, disable=not enabled,
+                leave=False, dynamic_ncols=True)  # fmt: skip
+
+
+def _msg(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------
+# analyze
+# ------------------------------------------------------------------------------------------
+def _trace_rows(dump, th) -> tuple[list[dict], dict]:
+    """Per-tensor rows of a trace's recorded statistics (all steps), and heatmap data."""
+    from analysis.report import classify
+
+    reader = dump.trace
+    sc = reader.scalars()
+    rows = []
+    finite = sc["numel"] - sc["nan"] - sc["inf"]
+    nonzero = finite - sc["zero"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ov_share = np.where(finite > 0, 100.0 * sc["overflow"] / np.maximum(finite, 1), 0.0)
+        un_share = np.where(nonzero > 0, 100.0 * sc["underflow"] / np.maximum(nonzero, 1), 0.0)
+    for t in reader.tensors:
+        sel = sc["tensor"] == t.index
+        if not sel.any():
+            continue
+        fin, nz = int(finite[sel].sum()), int(nonzero[sel].sum())
+        ov, un = int(sc["overflow"][sel].sum()), int(sc["underflow"][sel].sum())
+        steps = sc["step"][sel]
+        us = un_share[sel]
+        w = int(np.argmax(us))
+        row = {
+            "name": t.name,
+            "file": dump.path,
+            "role": t.role,
+            "format": t.format,
+            "scaling": "recorded",
+            "shape": list(t.shape),
+            "steps": int(sel.sum()),
+            "numel": int(sc["numel"][sel].sum()),
+            "amax": float(np.nanmax(sc["amax"][sel])) if np.isfinite(sc["amax"][sel]).any() else None,
+            "scale": float(sc["scale"][sel][-1]),
+            "overflow": ov,
+            "underflow": un,
+            "nan": int(sc["nan"][sel].sum()),
+            "inf": int(sc["inf"][sel].sum()),
+            "overflow_pct": 100.0 * ov / fin if fin else 0.0,
+            "underflow_pct": 100.0 * un / nz if nz else 0.0,
+            "overflow_steps": int((sc["overflow"][sel] > 0).sum()),
+            "worst_underflow_pct": float(us[w]),
+            "worst_underflow_step": int(steps[w]),
+        }
+        row["status"] = classify(row, th)
+        rows.append(row)
+    steps = np.unique(sc["step"])
+    names = [t.name for t in reader.tensors]
+    mats = {}
+    for key, share in (("underflow", un_share), ("overflow", ov_share)):
+        m = np.full((len(names), steps.size), np.nan)
+        m[sc["tensor"], np.searchsorted(steps, sc["step"])] = share
+        mats[key] = m
+    return rows, {"names": names, "steps": steps, **mats}
+
+
+def _histogram_plot(plot_dir: str, index: int, st, file: str) -> None:
+    from analysis.plots import plot_log2_histogram, safe_name
+    from analysis.stats import LOG2_EXPONENTS
+    from fp8sim.formats import get_format
+
+    windows = []
+    for v in st.variants:
+        fmt = get_format(v.format)
+        s = v.scale if v.scale and math.isfinite(v.scale) else 1.0
+        tag = "" if v.scaling in ("none", "tensor") else " (smallest group scale)"
+        windows.append((f"{v.format} {v.scaling} x{s:.3g}{tag}", fmt.min_subnormal / s, fmt.max / s))
+    path = os.path.join(plot_dir, safe_name(st.name, index) + ".png")
+    plot_log2_histogram(path, f"{st.name} ({os.path.basename(file)})", LOG2_EXPONENTS,
+                        st.log2_counts, windows)  # fmt: skip
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    from analysis.dumps import expand_paths, open_dump
+    from analysis.report import (
+        Thresholds,
+        classify,
+        failures,
+        format_table,
+        parse_fail_on,
+        sort_worst_first,
+    )
+    from analysis.stats import parse_variants, tensor_stats
+
+    variants = parse_variants(_split(args.format), _split(args.scaling), margin=args.margin,
+                              pow2=args.pow2)  # fmt: skip
+    rules = parse_fail_on(args.fail_on) if args.fail_on else []
+    th = Thresholds(args.underflow_warning, args.underflow_critical)
+    if args.chunk < 1 or args.top < 0:
+        raise ValueError("--chunk must be >= 1 and --top >= 0")
+    plot_dir = _plot_dir(args.plot)
+    paths = expand_paths(args.paths)
+    if not paths:
+        raise ValueError(f"no dump files found in {', '.join(args.paths)}")
+
+    errors: list[dict] = []
+
+    def bad(path: str, exc: Exception) -> None:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if not args.keep_going:
+            raise ValueError(reason if reason.startswith(path) else f"{path}: {reason}")
+        errors.append({"file": path, "reason": reason})
+
+    dumps = []
+    for path in paths:
+        try:
+            dumps.append(open_dump(path))
+        except ValueError as exc:
+            bad(path, exc)
+    total = 2 * sum(t.numel for d in dumps for t in d.tensors if t.is_float)
+    show = bool(args.json is None and sys.stderr.isatty())
+    records: list[dict] = []
+    notes: list[dict] = []
+    traces: list[dict] = []
+    plot_index = 0
+    bar = _progress(total, show, "elem")
+    try:
+        for dump in dumps:
+            for name, reason in dump.skipped:
+                notes.append({"file": dump.path, "name": name, "note": f"skipped: {reason}"})
+            if dump.trace is not None:
+                rows, heat = _trace_rows(dump, th)
+                traces.append({"path": dump.path, "config": dump.trace.config, "tensors": rows})
+                if plot_dir and heat["steps"].size:
+                    from analysis.plots import plot_heatmap, safe_name
+
+                    base = safe_name(os.path.basename(os.path.normpath(dump.path)), plot_index)
+                    plot_index += 1
+                    for key in ("underflow", "overflow"):
+                        plot_heatmap(os.path.join(plot_dir, f"{base}_trace_{key}.png"),
+                                     f"{dump.path}: recorded {key} share (%)", heat["names"],
+                                     heat["steps"], heat[key])  # fmt: skip
+            for src in dump.tensors:
+                bar.set_description(src.name[-30:], refresh=False)
+                if not src.is_float:
+                    notes.append({"file": dump.path, "name": src.name,
+                                  "note": f"skipped: {src.dtype} tensor (not floating point)"})  # fmt: skip
+                    continue
+                if src.numel == 0:
+                    notes.append({"file": dump.path, "name": src.name,
+                                  "note": f"empty tensor, shape {list(src.shape)}"})  # fmt: skip
+                    continue
+                try:
+                    st = tensor_stats(src, variants, name=src.name, chunk=args.chunk,
+                                      progress=bar.update)  # fmt: skip
+                except ValueError as exc:
+                    bad(dump.path, exc)
+                    break
+                st.file = dump.path
+                for rec in st.records():
+                    rec["status"] = classify(rec, th)
+                    records.append(rec)
+                if plot_dir:
+                    _histogram_plot(plot_dir, plot_index, st, dump.path)
+                    plot_index += 1
+    finally:
+        bar.close()
+
+    records = sort_worst_first(records)
+    trace_rows = [r for t in traces for r in t["tensors"]]
+    crossed = failures(records + trace_rows, rules) if rules else []
+    counts = {k: sum(r["status"] == k for r in records + trace_rows) for k in ("critical", "warning", "ok")}
+
+    if args.json is not None:
+        _write_json(
+            args.json,
+            {
+                "variants": [{"format": v.fmt.name, "scaling": v.scaling, "margin": v.margin,
+                              "pow2": v.pow2} for v in variants],  # fmt: skip
+                "records": records,
+                "traces": traces,
+                "notes": notes,
+                "errors": errors,
+                "summary": counts,
+                "fail_on": [{"rule": str(rule), "name": r["name"], "format": r["format"],
+                             "scaling": r["scaling"]} for rule, r in crossed],  # fmt: skip
+            },
+        )
+    if args.json != "-":
+        if records:
+            print(format_table(records, limit=args.top or None))
+        for t in traces:
+            print(f"\ntrace {t['path']}: recorded statistics over all steps")
+            print(_trace_table(sort_worst_first_trace(t["tensors"])))
+        if not records and not traces:
+            print("no float tensors analyzed")
+    for n in notes:
+        _msg(f"note: {n['file']}: {n['name']}: {n['note']}")
+    _msg(f"{counts['critical']} critical, {counts['warning']} warning, {counts['ok']} ok")
+    if errors:
+        _msg(f"bad files ({len(errors)}):")
+        for e in errors:
+            _msg(f"  {e['reason']}")
+        return 2
+    if crossed:
+        rule, r = crossed[0]
+        _msg(f"--fail-on: {len(crossed)} crossing(s); first: {rule} by {r['name']} "
+             f"({r['format']}, {r['scaling']})")  # fmt: skip
+        return 1
+    return 0
+
+
+def sort_worst_first_trace(rows: list[dict]) -> list[dict]:
+    from analysis.report import STATUS_ORDER
+
+    return sorted(rows, key=lambda r: (STATUS_ORDER[r["status"]], -r["overflow_pct"],
+                                       -r["worst_underflow_pct"], r["name"]))  # fmt: skip
+
+
+def _trace_table(rows: list[dict]) -> str:
+    from analysis.report import _table
+
+    body = [
+        [r["status"], r["name"], r["role"], r["format"], str(r["steps"]),
+         f"{r['amax']:.3g}" if r["amax"] is not None else "-",
+         f"{r['overflow']} in {r['overflow_steps']} steps" if r["overflow"] else "0",
+         f"{r['underflow_pct']:.3g}%", f"{r['worst_underflow_pct']:.3g}% @ {r['worst_underflow_step']}"]
+        for r in rows
+    ]  # fmt: skip
+    return _table(["status", "tensor", "role", "format", "steps", "max amax", "overflow",
+                   "underflow", "worst underflow"], body, right={4, 5, 6, 7, 8})  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------
+# replay
+# ------------------------------------------------------------------------------------------
+def run_replay(args: argparse.Namespace) -> int:
+    from analysis.report import format_replay_table
+    from analysis.replay import replay_policies, summary_rows
+    from fp8sim.trace import TraceReader, is_trace
+
+    if not os.path.isdir(args.trace) or not is_trace(args.trace):
+        raise ValueError(f"{args.trace}: not an fp8sim trace directory (no trace.json)")
+    reader = TraceReader(args.trace)
+    plot_dir = _plot_dir(args.plot)
+    n_records = int(reader.scalars()["step"].size)
+    n_pol = len(args.policy) + (0 if args.no_recorded else 1)
+    bar = _progress(n_records * n_pol, bool(args.json is None and sys.stderr.isatty()), "rec")
+    try:
+        replays = replay_policies(reader, args.policy, include_recorded=not args.no_recorded,
+                                  progress=bar.update)  # fmt: skip
+    finally:
+        bar.close()
+    summaries = summary_rows(replays)
+    if args.json is not None:
+        per_policy = {}
+        for rp in replays:
+            c = rp.cols
+            per_policy[rp.policy] = [
+                {"step": int(c["step"][i]), "tensor": rp.names[int(c["tensor"][i])],
+                 "scale": float(c["scale"][i]), "exact": bool(c["exact"][i]),
+                 "overflow": [int(c["overflow_lo"][i]), int(c["overflow_hi"][i])],
+                 "underflow": [int(c["underflow_lo"][i]), int(c["underflow_hi"][i])],
+                 "event": bool(c["event"][i])}
+                for i in range(c["step"].size)
+            ]  # fmt: skip
+        _write_json(args.json, {"trace": args.trace, "rounding": reader.rounding,
+                                "policies": summaries, "records": per_policy})  # fmt: skip
+    if args.json != "-":
+        print(format_replay_table(summaries))
+    if plot_dir:
+        from analysis.plots import plot_heatmap, plot_policy_summary, safe_name
+
+        plot_policy_summary(os.path.join(plot_dir, "policies.png"), summaries)
+        for i, rp in enumerate(replays):
+            if rp.cols["step"].size == 0:
+                continue
+            base = safe_name(rp.policy, i)
+            for what in ("underflow_share", "overflow_share"):
+                steps, mat = rp.grid(what)
+                plot_heatmap(os.path.join(plot_dir, f"{base}_{what}.png"),
+                             f"{rp.policy}: {what.replace('_', ' ')} (%)", rp.names, steps,
+                             100.0 * mat)  # fmt: skip
+    _msg(f"replayed {n_records} records under {n_pol} policies")
+    return 0

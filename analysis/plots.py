@@ -1,0 +1,137 @@
+"""PNG plots (matplotlib, Agg backend: no display needed).
+
+* :func:`plot_log2_histogram`: a tensor's log2|x| histogram against each format's representable
+  window ``[min_subnormal, max] / scale`` (the window moves with the scale).
+* :func:`plot_heatmap`: a tensor x step matrix (underflow or overflow share of a trace or replay).
+* :func:`plot_policy_summary`: events and worst underflow per policy.
+
+File names are made safe (``safe_name``) and numbered so tensors with similar names never collide.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["plot_log2_histogram", "plot_heatmap", "plot_policy_summary", "safe_name"]
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def safe_name(name: str, index: int | None = None, limit: int = 80) -> str:
+    s = _SAFE.sub("_", name).strip("._") or "tensor"
+    s = s[:limit]
+    return f"{index:04d}_{s}" if index is not None else s
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_log2_histogram(
+    path: str | os.PathLike,
+    title: str,
+    exponents: np.ndarray,
+    counts: np.ndarray,
+    windows: Sequence[tuple[str, float, float]],
+) -> str:
+    """Counts per binade ``floor(log2|x|)`` (top), and below it one bar per (label, lo, hi)
+    window: the |x| range a format covers under its scale, ``[min_subnormal, max] / scale``.
+    Values left of a window underflow (or lose precision as subnormals), right of it overflow.
+    Returns the file path."""
+    plt = _plt()
+    n_w = max(1, len(windows))
+    fig, (ax, aw) = plt.subplots(
+        2, 1, figsize=(8, 3.2 + 0.28 * n_w), dpi=100, sharex=True,
+        gridspec_kw={"height_ratios": [3, 0.35 * n_w + 0.3]},
+    )  # fmt: skip
+    try:
+        nz = counts > 0
+        lo_e, hi_e = (-10.0, 10.0)
+        if nz.any():
+            e, c = exponents[nz], counts[nz]
+            ax.bar(e + 0.5, c, width=1.0, color="0.35")
+            lo_e, hi_e = float(e.min()), float(e.max() + 1)
+            ax.set_yscale("log")
+        colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+        for i, (label, lo, hi) in enumerate(windows):
+            if lo > 0 and hi > 0 and math.isfinite(lo) and math.isfinite(hi):
+                a, b = math.log2(lo), math.log2(hi)
+                col = colors[i % len(colors)]
+                aw.barh(i, b - a, left=a, height=0.6, color=col, alpha=0.6)
+                aw.text(b + 0.3, i, label, va="center", fontsize=7)
+                ax.axvline(b, color=col, lw=0.8, ls="--")
+                lo_e, hi_e = min(lo_e, a), max(hi_e, b)
+        aw.set_ylim(-0.6, n_w - 0.4)
+        aw.invert_yaxis()
+        aw.set_yticks([])
+        aw.set_xlim(lo_e - 1, hi_e + 12)  # room for the labels
+        aw.set_xlabel("log2 |x|   (bars: |x| range each format x scaling represents)")
+        ax.set_ylabel("values per binade")
+        ax.set_title(title, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return str(path)
+
+
+def plot_heatmap(
+    path: str | os.PathLike,
+    title: str,
+    names: Sequence[str],
+    steps: np.ndarray,
+    matrix: np.ndarray,
+    *,
+    label: str = "share (%)",
+) -> str:
+    """Tensors (rows) x steps (columns) heatmap of ``matrix`` (NaN: no record). Returns path."""
+    plt = _plt()
+    h = min(12.0, 1.5 + 0.22 * max(1, len(names)))
+    fig, ax = plt.subplots(figsize=(9, h), dpi=100)
+    try:
+        data = np.ma.masked_invalid(np.asarray(matrix, dtype=float))
+        ext = [float(steps[0]) - 0.5, float(steps[-1]) + 0.5, len(names) - 0.5, -0.5] if len(steps) else None
+        im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="magma", extent=ext)
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels([n[-40:] for n in names], fontsize=6)
+        ax.set_xlabel("step")
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(im, ax=ax, label=label)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return str(path)
+
+
+def plot_policy_summary(path: str | os.PathLike, summaries: Sequence[dict]) -> str:
+    """Per policy: overflow events and worst / median underflow share. Returns path."""
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    try:
+        labels = [s["policy"][:30] for s in summaries]
+        x = np.arange(len(labels))
+        a1.bar(x, [s.get("events", 0) for s in summaries], color="tab:red")
+        a1.set_title("overflow events (amax beyond max)", fontsize=9)
+        a2.bar(x - 0.2, [s.get("median_underflow_pct", 0) for s in summaries], 0.4, label="median")
+        a2.bar(x + 0.2, [s.get("worst_underflow_pct", 0) for s in summaries], 0.4, label="worst")
+        a2.set_title("underflow share (%)", fontsize=9)
+        a2.legend(fontsize=7)
+        for a in (a1, a2):
+            a.set_xticks(x)
+            a.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return str(path)

@@ -1,0 +1,208 @@
+"""Reports: ok / warning / critical classes, worst-first terminal tables, ``--fail-on`` rules.
+
+Classes (defaults, per tensor x format x scaling record): ``critical`` if any value overflows or
+the underflow share reaches 2%; ``warning`` from 0.5% underflow, or when NaN/inf are present or
+MX blocks were lost to a NaN scale; ``ok`` otherwise. Shares: overflow of the finite values,
+underflow of the nonzero finite values (the ``*_pct`` record fields).
+
+``--fail-on`` rules: comma-separated ``METRIC OP VALUE[%]`` with OP in ``> >= < <=``; METRIC one
+of :data:`FAIL_METRICS`. With ``%`` the share in percent is compared (``underflow>1%``), without
+it the count or value (``overflow>0``, ``sqnr_db<20``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+__all__ = [
+    "Thresholds",
+    "classify",
+    "sort_worst_first",
+    "format_table",
+    "FailRule",
+    "parse_fail_on",
+    "failures",
+    "FAIL_METRICS",
+    "format_replay_table",
+    "STATUS_ORDER",
+]
+
+STATUS_ORDER = {"critical": 0, "warning": 1, "ok": 2}
+#: metric -> (count/value field, share field or None)
+FAIL_METRICS = {
+    "overflow": ("overflow", "overflow_pct"),
+    "underflow": ("underflow", "underflow_pct"),
+    "subnormal": ("subnormal", "subnormal_pct"),
+    "nan": ("nan", None),
+    "inf": ("inf", None),
+    "lost": ("lost", None),
+    "sqnr_db": ("sqnr_db", None),
+    "rel_mse": ("rel_mse", None),
+    "amax": ("amax", None),
+}
+_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+_RULE_RE = re.compile(r"^\s*([a-z_0-9]+)\s*(>=|<=|>|<)\s*([-+0-9.eE]+|inf)\s*(%?)\s*$")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Class boundaries in percent (underflow share) and counts (overflow)."""
+
+    underflow_warning: float = 0.5
+    underflow_critical: float = 2.0
+    overflow_critical: int = 1  # this many overflowing values make a record critical
+
+
+def classify(rec: dict[str, Any], th: Thresholds = Thresholds()) -> str:
+    """``ok`` / ``warning`` / ``critical`` of one record (see the module docstring)."""
+    if rec["overflow"] >= th.overflow_critical or rec["underflow_pct"] >= th.underflow_critical:
+        return "critical"
+    if rec["underflow_pct"] >= th.underflow_warning or rec["nan"] or rec["inf"] or rec.get("lost"):
+        return "warning"
+    return "ok"
+
+
+def sort_worst_first(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """By class, then overflow share, underflow share, and SQNR (lowest first)."""
+
+    def key(r: dict[str, Any]):
+        sq = r["sqnr_db"]
+        return (
+            STATUS_ORDER[r["status"]],
+            -r["overflow_pct"],
+            -r["underflow_pct"],
+            math.inf if sq is None else sq,
+            r["name"],
+        )
+
+    return sorted(records, key=key)
+
+
+def _num(v: Any, fmt: str = ".3g") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf"
+    return format(v, fmt)
+
+
+def _pct(count: int, pct: float) -> str:
+    if count == 0:
+        return "0"
+    return f"{count} ({pct:.3g}%)"
+
+
+def _table(headers: Sequence[str], rows: list[list[str]], right: set[int]) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def format_table(records: list[dict[str, Any]], *, limit: int | None = None) -> str:
+    """The terminal table, rows in the given order (sort first), at most ``limit`` rows."""
+    headers = ["status", "tensor", "format", "scaling", "numel", "amax", "scale",
+               "overflow", "underflow", "subnormal", "sqnr_db"]  # fmt: skip
+    shown = records if limit is None else records[:limit]
+    rows = []
+    for r in shown:
+        rows.append(
+            [
+                r["status"],
+                r["name"],
+                r["format"],
+                r["scaling"],
+                str(r["numel"]),
+                _num(r["amax"]),
+                _num(r["scale"]),
+                _pct(r["overflow"], r["overflow_pct"]),
+                _pct(r["underflow"], r["underflow_pct"]),
+                _pct(r["subnormal"], r["subnormal_pct"]),
+                _num(r["sqnr_db"], ".1f") if r["sqnr_db"] is not None else "exact",
+            ]
+        )
+    text = _table(headers, rows, right={4, 5, 6, 7, 8, 9, 10})
+    if limit is not None and len(records) > limit:
+        text += f"\n... {len(records) - limit} more (use --top 0 for all, or --json)"
+    return text
+
+
+@dataclass(frozen=True)
+class FailRule:
+    """One ``--fail-on`` rule: ``metric op value`` (``percent``: compare the share)."""
+
+    metric: str
+    op: str
+    value: float
+    percent: bool
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.op}{self.value:g}{'%' if self.percent else ''}"
+
+    def crossed(self, rec: dict[str, Any]) -> bool:
+        count_field, share_field = FAIL_METRICS[self.metric]
+        v = rec.get(share_field if self.percent else count_field)
+        if v is None:
+            # sqnr_db None means no error at all (+inf); rel_mse/amax None: undefined
+            v = math.inf if self.metric == "sqnr_db" else None
+        if v is None:
+            return False
+        return _OPS[self.op](v, self.value)
+
+
+def parse_fail_on(spec: str) -> list[FailRule]:
+    """Parse ``"overflow>0,underflow>1%"`` (ValueError naming the bad rule and the valid forms)."""
+    rules = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        m = _RULE_RE.match(part.lower())
+        if not m or m.group(1) not in FAIL_METRICS:
+            raise ValueError(
+                f"--fail-on rule {part!r}: expected METRIC OP VALUE[%] with METRIC in "
+                f"{', '.join(FAIL_METRICS)} and OP in >, >=, <, <= (e.g. overflow>0,underflow>1%)"
+            )
+        metric, op, value, pct = m.groups()
+        if pct and FAIL_METRICS[metric][1] is None:
+            raise ValueError(f"--fail-on rule {part!r}: {metric} has no share; drop the %")
+        try:
+            val = float(value)
+        except ValueError:
+            raise ValueError(f"--fail-on rule {part!r}: {value!r} is not a number") from None
+        rules.append(FailRule(metric, op, val, bool(pct)))
+    if not rules:
+        raise ValueError("--fail-on: no rules given (e.g. overflow>0,underflow>1%)")
+    return rules
+
+
+def failures(records: list[dict[str, Any]], rules: Sequence[FailRule]) -> list[tuple[FailRule, dict]]:
+    """(rule, record) for every record that crosses a rule."""
+    return [(rule, r) for r in records for rule in rules if rule.crossed(r)]
+
+
+def format_replay_table(summaries: list[dict[str, Any]]) -> str:
+    """Side-by-side policy summary (one row per policy)."""
+    headers = ["policy", "events", "overflow", "worst tensor @ step", "median underflow",
+               "worst underflow", "exact"]  # fmt: skip
+    rows = []
+    for s in summaries:
+        if not s.get("records"):
+            rows.append([s["policy"], "0", "0", "-", "-", "-", "-"])
+            continue
+        lo, hi = s["overflow_bounds"]
+        ov = str(lo) if lo == hi else f"{lo}..{hi}"
+        worst = f"{s['worst_tensor']} @ {s['worst_step']}"
+        wu = f"{s['worst_underflow_pct']:.3g}% ({s['worst_underflow_tensor']} @ {s['worst_underflow_step']})"
+        rows.append(
+            [s["policy"], str(s["events"]), ov, worst, f"{s['median_underflow_pct']:.3g}%", wu,
+             f"{s['exact_pct']:.0f}%"]  # fmt: skip
+        )
+    return _table(headers, rows, right={1, 2, 4, 6})
