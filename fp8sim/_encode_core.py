@@ -147,29 +147,26 @@ def encode_fields(neg, is_nan, is_inf, e, sig, p, params, mode, saturate, r, k):
         base -= np.int64(1) << mbits  # the implicit bit of binade 0 is not code 2**m
     code = base + kept
 
-    # -- round ----------------------------------------------------------------------------
-    if inexact:
-        if mode == RNE:
-            # ties go to the even significand; for m >= 1 that is the even code, for m = 0
-            # (E8M0) every significand is 1, so ties round up (as ml_dtypes and torch do)
-            if above or (tie and (kept & 1) == 1):
-                code += 1
-        elif mode == RNA:
-            if above or tie:
-                code += 1
-        elif mode == UP:
-            if not neg:
-                code += 1
-        elif mode == DOWN:
-            if neg:
-                code += 1
-        elif mode == ODD:
-            code |= 1
-        elif mode == STOCHASTIC:
-            rr = np.int64(r >> np.uint32(32 - k))
-            if top + rr >= (np.int64(1) << k):
-                code += 1
-        # RTZ: keep the truncated code
+    # -- round (as arithmetic, not branches: the data-dependent choices are unpredictable) -----
+    exact = np.int64(0) if inexact else np.int64(1)
+    up = np.int64(0)
+    if mode == RNE:
+        # ties go to the even significand; for m >= 1 that is the even code, for m = 0
+        # (E8M0) every significand is 1, so ties round up (as ml_dtypes and torch do)
+        up = (np.int64(above) | (np.int64(tie) & kept)) & 1
+    elif mode == RNA:
+        up = np.int64(above) | np.int64(tie)
+    elif mode == UP:
+        up = (1 - exact) & (1 - np.int64(neg))
+    elif mode == DOWN:
+        up = (1 - exact) & np.int64(neg)
+    elif mode == ODD:
+        code |= 1 - exact
+    elif mode == STOCHASTIC:
+        rr = np.int64(r >> np.uint32(32 - k))
+        up = np.int64(top + rr >= (np.int64(1) << k))
+    # RTZ: keep the truncated code
+    code += up
 
     # -- overflow -------------------------------------------------------------------------
     if code > max_code:
@@ -181,11 +178,9 @@ def encode_fields(neg, is_nan, is_inf, e, sig, p, params, mode, saturate, r, k):
         else:
             return _overflow_code(neg, params, saturate)
 
-    if neg and signed:
-        if code == 0 and nan_kind == 2:
-            return 0  # FNUZ: -0 has no code, the result is +0
-        return code | sign_mask
-    return code
+    # sign bit, except on FNUZ's zero (-0 has no code there)
+    keep_sign = np.int64(neg) & np.int64(signed) & (1 - (np.int64(code == 0) & np.int64(nan_kind == 2)))
+    return code | (keep_sign * sign_mask)
 
 
 @jit_scalar
@@ -294,16 +289,21 @@ def decode_kernel(codes, table, out):
 
 
 @jit_scalar
-def _fast_code(u, mbits, emin_b, max_code, mag_bits, over_pos, over_neg, inf_res, nan_code,
-               fnuz, mode):
-    """Code of float32 bits ``u`` (as int64), written as selects; see encode_f32_fast_kernel."""
-    s = u >> 31
-    a = u & 0x7FFFFFFF
-    E = a >> 23
-    man = a & 0x7FFFFF
-    sig = man | (np.int64(E != 0) << 23)
+def _fast_code(s, a, p, emax_in, bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
+               inf_res, nan_code, fnuz, mode, r, k):
+    """Code of the input with sign ``s`` (0/1) and magnitude bits ``a`` (int64), written as
+    selects so that loops over it vectorize; see :func:`encode_fast_kernel`.
+
+    ``p``, ``emax_in``, ``bias_in`` describe the input: 23, 0xFF, 127 for float32; 52, 0x7FF,
+    1023 for float64.
+    """
+    E = a >> p
+    man = a & ((np.int64(1) << p) - 1)
+    sig = man | (np.int64(E != 0) << p)
     e_eff = max(E, 1)
-    shift = min((23 - mbits) + max(emin_b - e_eff, 0), 31)
+    emin_b = emin + bias_in  # the target's smallest normal exponent, biased like the input
+    shift_true = (p - mbits) + max(emin_b - e_eff, 0)
+    shift = min(shift_true, 62)  # sig < 2**(p+1) <= 2**53: past 62 nothing changes
     kept = sig >> shift
     rem = sig & ((np.int64(1) << shift) - 1)
     half = np.int64(1) << (shift - 1)
@@ -319,28 +319,36 @@ def _fast_code(u, mbits, emin_b, max_code, mag_bits, over_pos, over_neg, inf_res
         code += inexact & s
     elif mode == ODD:
         code |= inexact
+    elif mode == STOCHASTIC:
+        # floor(discarded fraction * 2**k): the top k bits of rem (rem < 2**shift)
+        right = min(max(shift_true - k, 0), 62)
+        left = min(max(k - shift_true, 0), 62)
+        top = (rem >> right) << left
+        rr = np.int64(r) >> (32 - k)
+        code += np.int64(top + rr >= (np.int64(1) << k))
     over = over_neg if s == 1 else over_pos
     code = over if code > max_code else code
-    code = inf_res if a == 0x7F800000 else code
-    is_nan = np.int64(a > 0x7F800000)
+    inf_bits = emax_in << p
+    code = inf_res if a == inf_bits else code
+    is_nan = np.int64(a > inf_bits)
     code = nan_code if is_nan == 1 else code
     drop_sign = fnuz & (np.int64(code == 0) | is_nan)
     return code | ((s & (1 - drop_sign)) << mag_bits)
 
 
 @jit_kernel
-def encode_f32_fast_kernel(xbits, out, mbits, emin, max_code, mag_bits, over_code, nan_code,
-                           fnuz, mode, saturate):
-    """Branch-free twin of :func:`encode_f32_kernel` for the common case, same results.
+def encode_fast_kernel(xbits, out, p, emax_in, bias_in, mbits, emin, max_code, mag_bits,
+                       over_code, nan_code, fnuz, mode, saturate, rbits, use_rbits, k0, k1, k):
+    """Branch-free twin of :func:`encode_f32_kernel` / :func:`encode_f64_kernel`, same results.
 
-    Valid for float32 input, a non-stochastic ``mode``, and a signed format with subnormals, a
-    NaN and ``emin >= -126`` (every FP8 format, e3m4, fp16, bf16, eXmY up to 8 exponent bits):
-    then float32 subnormals lie in the target's subnormal range and need no normalizing. ``over_code`` is what a non-saturating
-    overflow becomes (inf code, else NaN code), ``nan_code`` the positive NaN code, ``fnuz`` 1 when
-    -0 has no code (zeros and the NaN then carry no sign). One loop per mode, the mode a constant
-    in each, so LLVM folds it and vectorizes; the exhaustive tests hold it to the reference.
+    Valid for a signed format with subnormals and a NaN (every FP8 format, e3m4, fp16, bf16,
+    eXmY) whose ``emin`` lies inside the input's normal range (float32: ``emin >= -126``), so
+    input subnormals need no normalizing. ``xbits``: uint32 (float32) or uint64 (float64) bit
+    patterns. ``over_code`` is what a non-saturating overflow becomes (inf code, else NaN code),
+    ``nan_code`` the positive NaN code, ``fnuz`` whether -0 has no code (zeros and the NaN then
+    carry no sign). One loop per mode, the mode a constant in each, so LLVM folds it and
+    vectorizes; the exhaustive tests hold this kernel to the reference.
     """
-    emin_b = emin + 127  # the target's smallest normal exponent, as a biased float32 exponent
     # what an overflowing code becomes, per sign: max where saturating or rounding toward zero
     clamp_pos = saturate or mode == RTZ or mode == ODD or mode == DOWN
     clamp_neg = saturate or mode == RTZ or mode == ODD or mode == UP
@@ -349,27 +357,49 @@ def encode_f32_fast_kernel(xbits, out, mbits, emin, max_code, mag_bits, over_cod
     inf_res = max_code if saturate else over_code  # an infinite input
     fz = np.int64(1) if fnuz else np.int64(0)
     n = xbits.size
-    if mode == RNE:
+    sbit = xbits.itemsize * 8 - 1  # the sign bit of the input word
+    amask = (np.int64(1) << sbit) - 1 if sbit < 63 else np.int64(0x7FFFFFFFFFFFFFFF)
+    if mode == STOCHASTIC:
         for i in numba.prange(n):
-            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
-                                over_pos, over_neg, inf_res, nan_code, fz, RNE)
+            u = xbits[i]
+            s = np.int64(u >> sbit) & 1
+            a = np.int64(u) & amask
+            r = _random_word(i, rbits, use_rbits, k0, k1)
+            out[i] = _fast_code(s, a, p, emax_in, bias_in, mbits, emin, max_code, mag_bits,
+                                over_pos, over_neg, inf_res, nan_code, fz, STOCHASTIC, r, k)
+    elif mode == RNE:
+        for i in numba.prange(n):
+            u = xbits[i]
+            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
+                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
+                                inf_res, nan_code, fz, RNE, np.uint32(0), k)
     elif mode == RNA:
         for i in numba.prange(n):
-            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
-                                over_pos, over_neg, inf_res, nan_code, fz, RNA)
+            u = xbits[i]
+            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
+                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
+                                inf_res, nan_code, fz, RNA, np.uint32(0), k)
     elif mode == RTZ:
         for i in numba.prange(n):
-            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
-                                over_pos, over_neg, inf_res, nan_code, fz, RTZ)
+            u = xbits[i]
+            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
+                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
+                                inf_res, nan_code, fz, RTZ, np.uint32(0), k)
     elif mode == UP:
         for i in numba.prange(n):
-            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
-                                over_pos, over_neg, inf_res, nan_code, fz, UP)
+            u = xbits[i]
+            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
+                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
+                                inf_res, nan_code, fz, UP, np.uint32(0), k)
     elif mode == DOWN:
         for i in numba.prange(n):
-            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
-                                over_pos, over_neg, inf_res, nan_code, fz, DOWN)
-    else:
+            u = xbits[i]
+            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
+                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
+                                inf_res, nan_code, fz, DOWN, np.uint32(0), k)
+    elif mode == ODD:
         for i in numba.prange(n):
-            out[i] = _fast_code(np.int64(xbits[i]), mbits, emin_b, max_code, mag_bits,
-                                over_pos, over_neg, inf_res, nan_code, fz, ODD)
+            u = xbits[i]
+            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
+                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
+                                inf_res, nan_code, fz, ODD, np.uint32(0), k)

@@ -199,11 +199,12 @@ def _raise_status(status: np.ndarray, fmt: FloatFormat, shape: tuple) -> None:
     )
 
 
-def _fast_path_ok(fmt: FloatFormat, rounding: str) -> bool:
-    """Whether the branch-free float32 kernel applies (see encode_f32_fast_kernel)."""
+def _fast_path_ok(fmt: FloatFormat, dtype: np.dtype) -> bool:
+    """Whether the branch-free kernel applies (see ``_encode_core.encode_fast_kernel``)."""
+    emin_floor = -126 if dtype == np.float32 else -1022
     return (
-        rounding != "stochastic" and fmt.signed and fmt.has_subnormals and fmt.has_nan
-        and fmt.emin >= -126 and _USE_FAST_PATH
+        fmt.signed and fmt.has_subnormals and fmt.has_nan and fmt.emin >= emin_floor
+        and _USE_FAST_PATH
     )
 
 
@@ -227,11 +228,16 @@ def _encode_numpy(
     out = np.empty(flat.size, dtype=fmt.code_dtype)
     status = np.zeros(flat.size if fmt.nan == "none" else 0, dtype=np.uint8)
     params = format_params(fmt)
-    if flat.dtype == np.float32 and _fast_path_ok(fmt, rounding):
+    if _fast_path_ok(fmt, flat.dtype):
         over = fmt.inf_code if fmt.has_inf else fmt.nan_code
-        core.encode_f32_fast_kernel(
-            flat.view(np.uint32), out, fmt.mantissa_bits, fmt.emin, fmt.max_code,
+        if flat.dtype == np.float32:
+            bits, p, emax_in, bias_in = flat.view(np.uint32), 23, 0xFF, 127
+        else:
+            bits, p, emax_in, bias_in = flat.view(np.uint64), 52, 0x7FF, 1023
+        core.encode_fast_kernel(
+            bits, out, p, emax_in, bias_in, fmt.mantissa_bits, fmt.emin, fmt.max_code,
             fmt.magnitude_bits, over, fmt.nan_code, fmt.nan == "fnuz", mode, bool(saturate),
+            rb, use_rbits, np.uint64(k0), np.uint64(k1), k,
         )
         return out.reshape(shape)
     if flat.dtype == np.float32:

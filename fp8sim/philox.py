@@ -17,7 +17,7 @@ from fp8sim._jit import jit_kernel, jit_scalar
 
 __all__ = ["philox4x32", "randint", "seed_words"]
 
-_M32 = 0xFFFFFFFF
+_M32 = np.uint64(0xFFFFFFFF)
 _KEY_A = 0x9E3779B9  # golden ratio
 _KEY_B = 0xBB67AE85  # sqrt(3) - 1
 _ROUND_A = 0xD2511F53
@@ -65,13 +65,13 @@ def seed_words(seed: int) -> tuple[int, int]:
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     s = int(seed) & 0xFFFFFFFFFFFFFFFF
-    return s & _M32, s >> 32
+    return s & 0xFFFFFFFF, s >> 32
 
 
 def randint(seed: int, offsets) -> np.ndarray:
     """uint32 array equal to ``tl.randint(seed, offsets)`` (offsets taken modulo 2**32)."""
     k0, k1 = seed_words(seed)
-    offs = np.ascontiguousarray(np.asarray(offsets).astype(np.int64).ravel() & _M32)
+    offs = np.ascontiguousarray(np.asarray(offsets).astype(np.int64).ravel() & 0xFFFFFFFF)
     out = np.empty(offs.size, dtype=np.uint32)
     _randint_kernel(np.uint64(k0), np.uint64(k1), offs, out)
     return out.reshape(np.shape(offsets))

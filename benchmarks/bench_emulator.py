@@ -1,0 +1,122 @@
+"""Emulator throughput as ratios measured in one process, on the same data.
+
+    python benchmarks/bench_emulator.py [--log2n 26] [--reps 7] [--markdown]
+
+Rows: float32 -> e4m3 / e5m2 encode (rne, saturating), decode e4m3 -> float32, float64 -> e4m3
+encode, stochastic encode (Philox). Columns: time of each contender (median of --reps runs after
+a warm-up) and the emulator's speed relative to it (> 1 means the emulator is faster).
+Contenders: torch's CPU cast (``.to(torch.float8_e4m3fn)`` / ``.to(torch.float32)``), ml_dtypes
+``astype``, and a numpy copy of the same array (the memory-bandwidth yardstick; "element rate"
+= elements per second, so 100% means as many elements per second as the copy).
+Absolute times depend on the machine and its load; only the ratios are meant to be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()  # warm-up (numba compile, page faults)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--log2n", type=int, default=26)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = ap.parse_args()
+
+    import ml_dtypes
+    import torch
+
+    import fp8sim
+
+    n = 1 << args.log2n
+    rng = np.random.default_rng(0)
+    x32 = (rng.standard_normal(n, dtype=np.float32) * 100).astype(np.float32)
+    x64 = x32.astype(np.float64)
+    t32 = torch.from_numpy(x32)
+    copy_dst = np.empty_like(x32)
+    codes = fp8sim.encode(x32, "e4m3")
+    tcodes = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+    # ml_dtypes is slow: time it on 1/8 of the data and scale (its cost is linear in n)
+    sub = x32[: n // 8]
+
+    r = args.reps
+    t_copy = _median_time(lambda: np.copyto(copy_dst, x32), r)
+    rows = []
+
+    def row(name, t_emu, contenders):
+        rows.append((name, t_emu, contenders))
+
+    t = _median_time(lambda: fp8sim.encode(x32, "e4m3"), r)
+    row("f32->e4m3 rne sat", t, {
+        "torch": _median_time(lambda: t32.to(torch.float8_e4m3fn), r),
+        "ml_dtypes": 8 * _median_time(lambda: sub.astype(ml_dtypes.float8_e4m3fn), max(3, r // 2)),
+        "numpy copy": t_copy,
+    })
+    t = _median_time(lambda: fp8sim.encode(x32, "e5m2"), r)
+    row("f32->e5m2 rne sat", t, {
+        "torch": _median_time(lambda: t32.to(torch.float8_e5m2), r),
+        "ml_dtypes": 8 * _median_time(lambda: sub.astype(ml_dtypes.float8_e5m2), max(3, r // 2)),
+        "numpy copy": t_copy,
+    })
+    t = _median_time(lambda: fp8sim.decode(codes, "e4m3"), r)
+    row("decode e4m3->f32", t, {
+        "torch": _median_time(lambda: tcodes.to(torch.float32), r),
+        "ml_dtypes": 8 * _median_time(
+            lambda: codes[: n // 8].view(ml_dtypes.float8_e4m3fn).astype(np.float32), max(3, r // 2)),
+        "numpy copy": t_copy,
+    })
+    t = _median_time(lambda: fp8sim.encode(x64, "e4m3"), r)
+    row("f64->e4m3 rne sat", t, {
+        "torch": _median_time(lambda: torch.from_numpy(x64).to(torch.float8_e4m3fn), r),
+        "numpy copy": t_copy,
+    })
+    t = _median_time(lambda: fp8sim.encode(x32, "e4m3", rounding="stochastic", seed=1), r)
+    row("f32->e4m3 stochastic", t, {"numpy copy": t_copy})
+
+    names = ["torch", "ml_dtypes", "numpy copy"]
+    header = ["operation", "emulator ms"] + [f"{c} ms" for c in names] + [
+        "speed vs torch", "vs ml_dtypes", "element rate vs copy"]
+    lines = []
+    for name, t_emu, cont in rows:
+        cells = [name, f"{t_emu * 1e3:.1f}"]
+        for c in names:
+            cells.append(f"{cont[c] * 1e3:.1f}" if c in cont else "-")
+        for c in names:
+            cells.append(f"{cont[c] / t_emu:.2f}x" if c in cont else "-")
+        cells[-1] = f"{100 * cont['numpy copy'] / t_emu:.0f}%"
+        lines.append(cells)
+    info = (f"n = 2**{args.log2n} elements, median of {r} runs; {platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores, numba threads {__import__('numba').get_num_threads()}, "
+            f"torch threads {torch.get_num_threads()}")
+    if args.markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for cells in lines:
+            print("| " + " | ".join(cells) + " |")
+        print(f"\n{info}")
+    else:
+        widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(header)]
+        print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+        for cells in lines:
+            print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+        print(info)
+
+
+if __name__ == "__main__":
+    main()

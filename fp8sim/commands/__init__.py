@@ -1,0 +1,1 @@
+"""Subcommand modules of the ``fp8sim`` command line (see cli.py)."""

@@ -1,0 +1,59 @@
+"""``fp8sim conformance``: torch, ml_dtypes and Triton casts judged by the emulator."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fp8sim.commands._output import info, print_json, print_table
+
+__all__ = ["register", "run"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "conformance",
+        help="check torch / ml_dtypes / Triton casts against the emulator, bit for bit",
+    )
+    p.add_argument("--patterns", type=int, default=1 << 22,
+                   help="float32 bit patterns in the sweep (default 2**22; 2**24 in the tests)")
+    p.add_argument("--library", action="append", default=None,
+                   help="only these libraries (torch, ml_dtypes, triton); repeatable")
+    p.add_argument("--examples", type=int, default=3, help="disagreements shown per check")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument("--fail-on-disagreement", action="store_true",
+                   help="exit 1 if any library follows neither overflow rule")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    from fp8sim.conformance import run_conformance
+
+    if args.patterns < 1:
+        raise ValueError(f"--patterns must be positive, got {args.patterns}")
+    show = (lambda m: info(f"  checking {m}")) if (sys.stderr.isatty() and not args.json) else None
+    results = run_conformance(args.patterns, args.library, args.examples, progress=show)
+    if args.json:
+        print_json([r.as_dict() for r in results])
+    else:
+        rows = []
+        for r in results:
+            pct = lambda k: "-" if k < 0 or r.n == 0 else f"{100 * k / r.n:.4f}%"  # noqa: E731
+            rows.append([r.library, r.target, r.fmt, r.inputs, r.n, pct(r.agree_saturating),
+                         pct(r.agree_nonsaturating), r.verdict if not r.error else r.error])
+        print_table(["library", "type", "ours", "inputs", "n", "=saturating", "=non-sat",
+                     "verdict"], rows)
+        bad = [r for r in results if r.first_disagreements]
+        if bad:
+            print("\nfirst disagreements (input -> theirs | emulator, closer overflow rule):")
+            for r in bad:
+                for d in r.first_disagreements:
+                    print(f"  {r.library} {r.target} [{r.inputs}]: {d['input']!r} -> "
+                          f"{d['theirs']} ({d['theirs_value']!r}) | {d['emulator']} "
+                          f"({d['emulator_value']!r})")
+    if args.fail_on_disagreement and any(r.verdict in ("DISAGREES", "ERROR") for r in results):
+        return 1
+    return 0
