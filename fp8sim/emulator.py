@@ -290,6 +290,8 @@ def decode(codes: Any, fmt: FloatFormat | str, *, dtype: Any = np.float32) -> An
         import torch
 
         t = codes.detach()
+        if t.dtype.is_floating_point and t.dtype.itemsize == 1:
+            t = t.view(torch.uint8)  # a torch float8 tensor: its bits are the codes
         if t.dtype not in (torch.uint8, torch.int8, torch.uint16, torch.int16):
             raise TypeError(f"codes must be a uint8/uint16 tensor, got {t.dtype}")
         if t.dtype in (torch.uint16, torch.int16):
