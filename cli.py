@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "fp8sim.commands.formats",  # formats
     "fp8sim.commands.cast",  # cast
     "fp8sim.commands.conformance",  # conformance
+    "fp8sim.commands.policies",  # policies
     "fp8sim.training.commands",  # train, compare
     "analysis.commands",  # analyze, replay
 ]

@@ -118,7 +118,9 @@ def _gemm_kernel(a, b, sa, sb, ra, ca, rb, cb, seg, scales_vary, p, rtz, native3
     m_rows, n_cols = out.shape
     for i in numba.prange(m_rows):
         for j in range(n_cols):
-            out[i, j] = _gemm_element(a, b, sa, sb, ra, ca, rb, cb, seg, scales_vary, p, rtz, native32, i, j)
+            out[i, j] = _gemm_element(
+                a, b, sa, sb, ra, ca, rb, cb, seg, scales_vary, p, rtz, native32, i, j
+            )
 
 
 def _codes(x: Any, what: str) -> np.ndarray:
@@ -126,20 +128,29 @@ def _codes(x: Any, what: str) -> np.ndarray:
         x = x.detach().cpu().numpy()
     arr = np.asarray(x)
     if arr.dtype.kind not in "ui" or arr.ndim != 2:
-        raise TypeError(f"scaled_gemm: {what} must be a 2-D unsigned integer code array, got {arr.dtype} {arr.shape}")
+        raise TypeError(
+            f"scaled_gemm: {what} must be a 2-D unsigned integer code array, "
+            f"got {arr.dtype} {arr.shape}"
+        )
     return arr
 
 
-def _scales(s: Any, gran: Granularity, rows: int, cols: int, what: str) -> tuple[np.ndarray, int, int]:
+def _scales(
+    s: Any, gran: Granularity, rows: int, cols: int, what: str
+) -> tuple[np.ndarray, int, int]:
     if type(s).__module__.startswith("torch"):
         s = s.detach().cpu().numpy()
     arr = np.asarray(s, dtype=np.float32)
     grid = gran.grid2d(rows, cols)
     if arr.size != grid[0] * grid[1] or (gran.kind != "tensor" and arr.shape != grid):
         want = "()" if gran.kind == "tensor" else str(grid)
-        raise ValueError(f"scaled_gemm: {what} scale_inv has shape {arr.shape}, {gran.spec} needs {want}")
+        raise ValueError(
+            f"scaled_gemm: {what} scale_inv has shape {arr.shape}, {gran.spec} needs {want}"
+        )
     if np.any(arr <= 0) or np.any(np.isinf(arr)):
-        raise ValueError(f"scaled_gemm: {what} scale_inv must be finite and > 0 (NaN marks an MX NaN block)")
+        raise ValueError(
+            f"scaled_gemm: {what} scale_inv must be finite and > 0 (NaN marks an MX NaN block)"
+        )
     r, c = gran.tile(rows, cols)
     return np.ascontiguousarray(arr.reshape(grid)), r, c
 
@@ -184,14 +195,33 @@ def scaled_gemm(
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2:
         raise ValueError(f"scaled_gemm: inner dimensions differ: A is {a.shape}, B is {b.shape}")
-    if isinstance(acc_bits, bool) or not isinstance(acc_bits, (int, np.integer)) or not 1 <= acc_bits <= 23:
-        raise ValueError(f"scaled_gemm: acc_bits must be an int in 1..23 (23 = float32), got {acc_bits!r}")
+    if (
+        isinstance(acc_bits, bool)
+        or not isinstance(acc_bits, (int, np.integer))
+        or not 1 <= acc_bits <= 23
+    ):
+        raise ValueError(
+            f"scaled_gemm: acc_bits must be an int in 1..23 (23 = float32), got {acc_bits!r}"
+        )
     if acc_rounding not in ACC_ROUNDINGS:
-        raise ValueError(f"scaled_gemm: acc_rounding must be one of {', '.join(ACC_ROUNDINGS)}, got {acc_rounding!r}")
-    if k_chunk is not None and (isinstance(k_chunk, bool) or not isinstance(k_chunk, (int, np.integer)) or k_chunk < 1):
+        raise ValueError(
+            f"scaled_gemm: acc_rounding must be one of {', '.join(ACC_ROUNDINGS)}, "
+            f"got {acc_rounding!r}"
+        )
+    if k_chunk is not None and (
+        isinstance(k_chunk, bool) or not isinstance(k_chunk, (int, np.integer)) or k_chunk < 1
+    ):
         raise ValueError(f"scaled_gemm: k_chunk must be a positive int or None, got {k_chunk!r}")
-    ga = parse_granularity(a_granularity) if a_granularity is not None else _infer(a_scale_inv, m, k, "row", "a")
-    gb = parse_granularity(b_granularity) if b_granularity is not None else _infer(b_scale_inv, k, n, "col", "b")
+    ga = (
+        parse_granularity(a_granularity)
+        if a_granularity is not None
+        else _infer(a_scale_inv, m, k, "row", "a")
+    )
+    gb = (
+        parse_granularity(b_granularity)
+        if b_granularity is not None
+        else _infer(b_scale_inv, k, n, "col", "b")
+    )
     sa, ra, ca = _scales(a_scale_inv, ga, m, k, "a")
     sb, rb, cb = _scales(b_scale_inv, gb, k, n, "b")
 
@@ -206,8 +236,20 @@ def scaled_gemm(
     out = np.empty((m, n), dtype=np.float32)
     native32 = acc_bits == 23 and acc_rounding == "rne"
     _gemm_kernel(
-        np.ascontiguousarray(av), np.ascontiguousarray(bv), sa, sb, ra, ca, rb, cb, seg,
-        bool(ca < k or rb < k), int(acc_bits) + 1, acc_rounding == "rtz", native32, out,
+        np.ascontiguousarray(av),
+        np.ascontiguousarray(bv),
+        sa,
+        sb,
+        ra,
+        ca,
+        rb,
+        cb,
+        seg,
+        bool(ca < k or rb < k),
+        int(acc_bits) + 1,
+        acc_rounding == "rtz",
+        native32,
+        out,
     )
     return out if np.dtype(out_dtype) == np.float32 else out.astype(out_dtype)
 
@@ -217,6 +259,13 @@ def gemm(a: ScaledTensor, b: ScaledTensor, **kwargs: Any) -> np.ndarray:
     if len(a.shape) != 2 or len(b.shape) != 2:
         raise ValueError(f"gemm: operands must be 2-D, got {a.shape} and {b.shape}")
     return scaled_gemm(
-        a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv,
-        a_granularity=a.granularity, b_granularity=b.granularity, **kwargs,
+        a.codes,
+        a.fmt,
+        a.scale_inv,
+        b.codes,
+        b.fmt,
+        b.scale_inv,
+        a_granularity=a.granularity,
+        b_granularity=b.granularity,
+        **kwargs,
     )

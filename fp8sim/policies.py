@@ -137,7 +137,9 @@ class ScalingPolicy:
         return f"parse_policy({self.spec!r})"
 
     # -- the protocol --------------------------------------------------------------------------
-    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
+    def scale_for(
+        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
+    ) -> float:
         """The multiplier applied to tensor ``name`` before its cast to ``fmt`` this step."""
         raise NotImplementedError
 
@@ -150,18 +152,25 @@ class ScalingPolicy:
 
     def state_dict(self) -> dict:
         """``{"policy": spec, "tensors": {name: plain-data state}}``."""
-        return {"policy": self.spec, "tensors": {k: _copy_state(v) for k, v in self._tensors.items()}}
+        return {
+            "policy": self.spec,
+            "tensors": {k: _copy_state(v) for k, v in self._tensors.items()},
+        }
 
     def load_state_dict(self, d: dict) -> None:
         """Restore a :meth:`state_dict` of a policy with the same spec (ValueError otherwise)."""
         if not isinstance(d, dict) or "policy" not in d or "tensors" not in d:
             raise ValueError("load_state_dict: expected a dict with 'policy' and 'tensors' keys")
         if d["policy"] != self.spec:
-            raise ValueError(f"load_state_dict: state is for {d['policy']!r}, this policy is {self.spec!r}")
+            raise ValueError(
+                f"load_state_dict: state is for {d['policy']!r}, this policy is {self.spec!r}"
+            )
         self._tensors = {str(k): _copy_state(v) for k, v in d["tensors"].items()}
 
     # -- convenience ---------------------------------------------------------------------------
-    def quantize(self, name: str, x: Any, fmt: FloatFormat | str, *, observe: bool = True, **cast: Any) -> ScaledTensor:
+    def quantize(
+        self, name: str, x: Any, fmt: FloatFormat | str, *, observe: bool = True, **cast: Any
+    ) -> ScaledTensor:
         """amax -> :meth:`scale_for` -> :func:`~fp8sim.scaling.quantize_scaled` -> :meth:`observe`.
 
         ``cast``: ``rounding``, ``saturate``, ``seed``, ``srbits``. The tensor amax is
@@ -173,8 +182,12 @@ class ScalingPolicy:
         if observe:
             mag = st.codes & (fmt.sign_mask - 1) if fmt.signed else st.codes
             self.observe(
-                name, amax, fmt, numel=int(st.codes.size),
-                n_at_max=int(np.count_nonzero(mag == fmt.max_code)), n_nan=st.nan_count,
+                name,
+                amax,
+                fmt,
+                numel=int(st.codes.size),
+                n_at_max=int(np.count_nonzero(mag == fmt.max_code)),
+                n_nan=st.nan_count,
             )
         return st
 
@@ -196,7 +209,8 @@ class ScalingPolicy:
     def _need_amax(self, name: str, current_amax: float | None) -> float:
         if current_amax is None:
             raise ValueError(
-                f"{self.spec}: scale_for({name!r}) needs current_amax (this policy scales just in time)"
+                f"{self.spec}: scale_for({name!r}) needs current_amax "
+                "(this policy scales just in time)"
             )
         return _check_amax(current_amax, f"{self.NAME}.scale_for({name!r})")
 
@@ -240,10 +254,16 @@ class CurrentScaling(ScalingPolicy):
     def granularity(self) -> str:
         return self.params["gran"]
 
-    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
+    def scale_for(
+        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
+    ) -> float:
         a = self._need_amax(name, current_amax)
         p = self.params
-        return float(scale_from_amax(a, get_format(fmt), margin=p["margin"], pow2=p["pow2"], epsilon=p["epsilon"]))
+        return float(
+            scale_from_amax(
+                a, get_format(fmt), margin=p["margin"], pow2=p["pow2"], epsilon=p["epsilon"]
+            )
+        )
 
     def observe(self, name: str, amax: float, fmt: FloatFormat | str, **stats: Any) -> None:
         _check_amax(amax, f"current.observe({name!r})")
@@ -252,7 +272,15 @@ class CurrentScaling(ScalingPolicy):
         if self.granularity == "tensor":
             return super()._cast(name, x, fmt, amax, cast)
         p = self.params
-        return quantize_scaled(x, fmt, self.granularity, margin=p["margin"], pow2=p["pow2"], epsilon=p["epsilon"], **cast)
+        return quantize_scaled(
+            x,
+            fmt,
+            self.granularity,
+            margin=p["margin"],
+            pow2=p["pow2"],
+            epsilon=p["epsilon"],
+            **cast,
+        )
 
 
 # -- delayed (Transformer Engine) ---------------------------------------------------------------
@@ -263,8 +291,11 @@ class DelayedScaling(ScalingPolicy):
     DESCRIPTION = "Transformer Engine DelayedScaling: scale from the amax history of previous steps"
     PARAMS = {
         "history": Param(1024, "amax_history_len: amaxes kept (rolled every step)"),
-        "algo": Param("max", "amax_compute_algo: max of the history, or the most recent amax",
-                      ("max", "most_recent")),
+        "algo": Param(
+            "max",
+            "amax_compute_algo: max of the history, or the most recent amax",
+            ("max", "most_recent"),
+        ),
         "margin": Param(0.0, "scale = (fmax / amax) / 2**margin"),
     }
 
@@ -277,7 +308,9 @@ class DelayedScaling(ScalingPolicy):
     def _fresh_state(self) -> dict:
         return {"scale": 1.0, "amax_history": [0.0] * self.params["history"], "steps": 0}
 
-    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
+    def scale_for(
+        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
+    ) -> float:
         st = self._tensors.get(name)
         return 1.0 if st is None else st["scale"]
 
@@ -300,19 +333,24 @@ class DelayedScaling(ScalingPolicy):
 # -- MS-AMP ------------------------------------------------------------------------------------
 
 
-def _msamp_scale(amax: float, prev: float, fmt: FloatFormat, margin: float) -> float:
-    """``2**(floor(log2(fmax / amax)) - margin)``; ``prev`` for amax 0, inf or NaN."""
+def _msamp_scale(amax: float, prev: float, fmt: FloatFormat, margin: int) -> float:
+    """``2**(floor(log2(fmax / amax)) - margin)``, the exponent clamped to [-126, 127];
+    ``prev`` for amax 0, inf or NaN. The floor is exact on the float32 quotient (an inf
+    quotient counts as float32 max, so a tiny amax gives 2**127, not MS-AMP's inf)."""
     if not (math.isfinite(amax) and amax > 0):
         return prev
-    s = scale_from_amax(amax, fmt, pow2=True)  # exact floor of the float32 quotient; inf -> 2**127
-    return float(np.ldexp(s, -int(margin)).astype(np.float32))
+    s = scale_from_amax(amax, fmt, pow2=True)
+    e = int(np.frexp(s)[1]) - 1 - int(margin)
+    return 2.0 ** min(max(e, -126), 127)
 
 
 class MSAMPScaling(ScalingPolicy):
     NAME = "msamp"
     DESCRIPTION = "MS-AMP: power-of-two scales from the max amax of a window of steps"
     PARAMS = {
-        "window": Param(16, "amax window (MS-AMP: 16 activations/output grads, 1 weights/weight grads)"),
+        "window": Param(
+            16, "amax window (MS-AMP: 16 activations/output grads, 1 weights/weight grads)"
+        ),
         "margin": Param(0, "scale = 2**(floor(log2(fmax / amax)) - margin)"),
     }
     just_in_time = True
@@ -332,7 +370,9 @@ class MSAMPScaling(ScalingPolicy):
     def _in_time(self, st: dict) -> bool:
         return self.params["window"] == 1 or st["counter"] < self.params["window"]
 
-    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
+    def scale_for(
+        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
+    ) -> float:
         st = self._tensors.get(name) or self._fresh_state()
         if not self._in_time(st):
             return st["scale"]
@@ -362,14 +402,19 @@ class MSAMPScaling(ScalingPolicy):
 
 class AutoScale(ScalingPolicy):
     NAME = "autoscale"
-    DESCRIPTION = "FP8-LM auto-scaling: factor mu halves when too many values hit fmax, else regrows"
+    DESCRIPTION = (
+        "FP8-LM auto-scaling: factor mu halves when too many values hit fmax, else regrows"
+    )
     PARAMS = {
         "ratio": Param(1e-5, "halve mu when the share of values at +-fmax exceeds this (0.001%)"),
         "window": Param(1000, "steps over which mu grows geometrically back to mu_max"),
         "mu_max": Param(2.0, "largest mu"),
         "mu_init": Param(1.0, "mu at the first step"),
-        "base": Param("current", "scale = mu * base: current amax scaling, pow2 of it, or none (1)",
-                      ("current", "pow2", "none")),
+        "base": Param(
+            "current",
+            "scale = mu * base: current amax scaling, pow2 of it, or none (1)",
+            ("current", "pow2", "none"),
+        ),
     }
 
     def __init__(self, **params: Any) -> None:
@@ -380,7 +425,9 @@ class AutoScale(ScalingPolicy):
         if p["window"] < 1:
             raise ValueError(f"autoscale: window must be >= 1, got {p['window']}")
         if not (math.isfinite(p["mu_max"]) and 0 < p["mu_init"] <= p["mu_max"]):
-            raise ValueError(f"autoscale: need 0 < mu_init <= mu_max (finite), got {p['mu_init']}, {p['mu_max']}")
+            raise ValueError(
+                f"autoscale: need 0 < mu_init <= mu_max (finite), got {p['mu_init']}, {p['mu_max']}"
+            )
         self.just_in_time = p["base"] != "none"
 
     def _fresh_state(self) -> dict:
@@ -392,7 +439,9 @@ class AutoScale(ScalingPolicy):
         st = self._tensors.get(name)
         return self.params["mu_init"] if st is None else st["mu"]
 
-    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
+    def scale_for(
+        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
+    ) -> float:
         mu = self.mu(name)
         if self.params["base"] == "none":
             return _f32(mu)
@@ -427,7 +476,9 @@ def _share_at_max(name: str, stats: dict) -> float:
         )
     numel, at_max = int(numel), int(at_max)
     if numel < 0 or not 0 <= at_max <= max(numel, 0):
-        raise ValueError(f"autoscale.observe({name!r}): need 0 <= n_at_max <= numel, got {at_max}, {numel}")
+        raise ValueError(
+            f"autoscale.observe({name!r}): need 0 <= n_at_max <= numel, got {at_max}, {numel}"
+        )
     return at_max / numel if numel else 0.0
 
 
@@ -445,7 +496,9 @@ class StaticScaling(ScalingPolicy):
         if not (math.isfinite(s) and s > 0):
             raise ValueError(f"static: scale must be finite and > 0, got {s}")
 
-    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
+    def scale_for(
+        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
+    ) -> float:
         return _f32(self.params["scale"])
 
     def observe(self, name: str, amax: float, fmt: FloatFormat | str, **stats: Any) -> None:
@@ -455,15 +508,19 @@ class StaticScaling(ScalingPolicy):
 class MXScaling(ScalingPolicy):
     NAME = "mx"
     DESCRIPTION = "MX block scaling: one E8M0 scale per 32 elements along the last axis"
-    PARAMS = {"rule": Param("floor", "E8M0 scale rule: OCP MX floor, or rceil (cuBLAS/TE)", MX_RULES)}
+    PARAMS = {
+        "rule": Param("floor", "E8M0 scale rule: OCP MX floor, or rceil (cuBLAS/TE)", MX_RULES)
+    }
     just_in_time = True
 
     @property
     def granularity(self) -> str:
         return "mx" if self.params["rule"] == "floor" else f"mx:{self.params['rule']}"
 
-    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
-        """The multiplier ``1 / X`` of one block whose amax is ``current_amax`` (NaN if not finite)."""
+    def scale_for(
+        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
+    ) -> float:
+        """The multiplier ``1 / X`` of one block with amax ``current_amax`` (NaN if not finite)."""
         a = self._need_amax(name, current_amax)
         return float(np.float32(1) / mx_shared_scale(a, get_format(fmt), self.params["rule"]))
 
@@ -486,7 +543,11 @@ POLICY_SPECS: dict[str, dict] = {
     name: {
         "description": cls.DESCRIPTION,
         "params": {
-            k: {"default": p.default, "help": p.help, "choices": list(p.choices) if p.choices else None}
+            k: {
+                "default": p.default,
+                "help": p.help,
+                "choices": list(p.choices) if p.choices else None,
+            }
             for k, p in cls.PARAMS.items()
         },
     }
@@ -601,6 +662,7 @@ def _bare_word(policy: str, schema: dict[str, Param], word: str) -> tuple[str, A
     choices = [c for p in schema.values() if p.choices for c in p.choices]
     valid = ", ".join(flags + choices) or "(none)"
     raise ValueError(
-        f"policy {policy!r}: {word!r} is not a flag or choice (key=value needed); bare words: {valid}; "
+        f"policy {policy!r}: {word!r} is not a flag or choice (key=value needed); "
+        f"bare words: {valid}; "
         f"keys: {', '.join(schema) or '(none)'}"
     )

@@ -3,16 +3,16 @@
 Shapes. Every tensor is viewed as 2-D ``(M, N)``: ``N`` is the last axis, ``M`` the product of the
 others (a 1-D tensor is one row, a 0-d tensor is ``(1, 1)``). A granularity tiles that view:
 
-=================  ===================  ======================================================
-granularity        tile                 scale / amax array shape
-=================  ===================  ======================================================
-``tensor``         ``(M, N)``           ``()``  (0-d)
-``row``            ``(1, N)``           ``(M, 1)``
-``col``            ``(M, 1)``           ``(1, N)``
-``block:RxC``      ``(R, C)``           ``(ceil(M/R), ceil(N/C))``, e.g. ``block:1x128``,
-                                        ``block:128x128`` (DeepSeek-V3)
-``mx``/``mx:rceil`` ``(1, 32)``          ``(M, ceil(N/32))``, E8M0 shared scales (OCP MX)
-=================  ===================  ======================================================
+=====================  ============  =====================================================
+granularity            tile          scale / amax array shape
+=====================  ============  =====================================================
+``tensor``             ``(M, N)``    ``()`` (0-d)
+``row``                ``(1, N)``    ``(M, 1)``
+``col``                ``(M, 1)``    ``(1, N)``
+``block:RxC``          ``(R, C)``    ``(ceil(M/R), ceil(N/C))``, e.g. ``block:1x128``,
+                                     ``block:128x128`` (DeepSeek-V3)
+``mx``, ``mx:rceil``   ``(1, 32)``   ``(M, ceil(N/32))``, E8M0 shared scales (OCP MX)
+=====================  ============  =====================================================
 
 Ragged edges: a tile that runs past the array is cut at its edge ("padded logically"); nothing
 outside the array is read and the missing elements never enter a tile's amax.
@@ -55,6 +55,7 @@ __all__ = [
     "MX_RULES",
     "Granularity",
     "parse_granularity",
+    "view2d",
     "compute_amax",
     "scale_from_amax",
     "mx_shared_scale",
@@ -195,7 +196,9 @@ def _grid_out(a: np.ndarray, gran: Granularity) -> np.ndarray:
     return a.reshape(()) if gran.kind == "tensor" else a
 
 
-def compute_amax(x: Any, granularity: str | Granularity = "tensor", *, ignore_nan: bool = False) -> np.ndarray:
+def compute_amax(
+    x: Any, granularity: str | Granularity = "tensor", *, ignore_nan: bool = False
+) -> np.ndarray:
     """``max |float32(x)|`` per tensor / row / col / block (shapes: see the module table).
 
     Inf is a valid amax. NaN propagates (a group holding a NaN has amax NaN, like ``torch.amax``
@@ -242,7 +245,9 @@ def scale_from_amax(
         raise ValueError("scale_from_amax: amax must be >= 0 (it is a maximum of |x|)")
     margin = float(margin)
     if not math.isfinite(margin) or abs(margin) > 126:
-        raise ValueError(f"scale_from_amax: margin must be finite with |margin| <= 126, got {margin}")
+        raise ValueError(
+            f"scale_from_amax: margin must be finite with |margin| <= 126, got {margin}"
+        )
     epsilon = float(epsilon)
     if not (math.isfinite(epsilon) and epsilon >= 0):
         raise ValueError(f"scale_from_amax: epsilon must be finite and >= 0, got {epsilon}")
@@ -289,7 +294,7 @@ def mx_shared_scale(amax: Any, fmt: FloatFormat | str, rule: str = "floor") -> n
 
 
 def e8m0_codes(scale_inv: Any) -> np.ndarray:
-    """E8M0 codes (uint8, ``e + 127``; NaN -> 0xFF) of power-of-two scales in ``[2**-127, 2**127]``."""
+    """E8M0 codes (uint8, ``e + 127``; NaN -> 0xFF) of powers of two in ``[2**-127, 2**127]``."""
     s = np.asarray(scale_inv, dtype=np.float32)
     nan = np.isnan(s)
     f, ex = np.frexp(np.where(nan, np.float32(1), s))
@@ -335,7 +340,9 @@ class ScaledTensor:
     def scale_inv_codes(self) -> np.ndarray:
         """The E8M0 codes of an MX tensor's scales (uint8; 0xFF for a NaN block)."""
         if parse_granularity(self.granularity).kind != "mx":
-            raise ValueError(f"scale_inv_codes: only MX tensors have E8M0 scales, not {self.granularity}")
+            raise ValueError(
+                f"scale_inv_codes: only MX tensors have E8M0 scales, not {self.granularity}"
+            )
         return e8m0_codes(self.scale_inv)
 
 
@@ -400,7 +407,9 @@ def quantize_scaled(
     grid2d = gran.grid2d(m, n)
     is_mx = gran.kind == "mx"
     if is_mx and (margin != 0 or pow2 or epsilon != 0):
-        raise ValueError("quantize_scaled: margin/pow2/epsilon do not apply to mx (E8M0 scale rule)")
+        raise ValueError(
+            "quantize_scaled: margin/pow2/epsilon do not apply to mx (E8M0 scale rule)"
+        )
     amax = None
     if scale is None:
         amax, nans = _tile_stats(x2d, gran)
@@ -421,7 +430,9 @@ def quantize_scaled(
     if is_mx and np.isnan(scale_inv).any():
         bad = _expand(np.isnan(scale_inv), gran, m, n)
         y = np.where(bad, np.float32(np.nan if fmt.has_nan else 0.0), y)
-    codes = encode(y.reshape(shape), fmt, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits)
+    codes = encode(
+        y.reshape(shape), fmt, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits
+    )
     return ScaledTensor(
         codes=codes,
         scale_inv=_grid_out(np.asarray(scale_inv, np.float32).reshape(grid2d), gran),

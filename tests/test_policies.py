@@ -55,7 +55,8 @@ def test_te_scale_update_scenarios(fmt, fmax, algo):
 # hand-computed: amax per step, then the scale in force at the next step (history 4, E4M3)
 AMAXES = [1.0, 4.0, 2.0, 0.5, 8.0, 0.0, 1.0, NAN, 2.0, 0.25]
 # max over the last 4 amaxes (NaN skipped as fmaxf does; 0 and NaN-only windows keep the scale):
-#   1 | 1,4 | 1,4,2 | 1,4,2,.5 | 4,2,.5,8 | 2,.5,8,0 | .5,8,0,1 | 8,0,1,nan | 0,1,nan,2 | 1,nan,2,.25
+#   1 | 1,4 | 1,4,2 | 1,4,2,.5 | 4,2,.5,8 | 2,.5,8,0 | .5,8,0,1 | 8,0,1,nan | 0,1,nan,2
+#   | 1,nan,2,.25
 SCALES_MAX = [448, 112, 112, 112, 56, 56, 56, 56, 224, 224]
 # most recent: 448/1, 448/4, 448/2, 448/.5, 448/8, (0: keep), 448/1, (NaN: keep), 448/2, 448/.25
 SCALES_RECENT = [448, 112, 224, 896, 56, 56, 448, 448, 224, 1792]
@@ -157,6 +158,10 @@ def test_msamp_window_one_is_just_in_time_with_margin():
         p.scale_for("w", "e4m3")
     # tiny amax: the quotient is inf in float32 -> float32 max -> 2**127 (no inf scale)
     assert parse_policy("msamp:window=1").scale_for("w", "e4m3", current_amax=1e-38) == 2.0**127
+    assert (
+        parse_policy("msamp:window=1,margin=-1").scale_for("w", "e4m3", current_amax=1e-38)
+        == 2.0**127
+    )
 
 
 # -- FP8-LM AutoScale -----------------------------------------------------------------------------
@@ -168,8 +173,23 @@ def test_autoscale_mu_trajectory():
     # hand: grow 1 -> 2 over 4 clean steps (x 2**(1/4) each), halve on overflow, regrow
     # geometrically from the halved value to 2 over 4 steps: from 2**-1.5 the exponents step
     # by (1 - (-1.5)) / 4 = 0.625
-    expect = [2**0.25, 2**0.5, 2**0.75, 2.0, 2.0, 1.0, 2**0.25, 2**0.5, 2**-0.5, 2**-1.5,
-              2**-0.875, 2**-0.25, 2**0.375, 2.0, 2.0]
+    expect = [
+        2**0.25,
+        2**0.5,
+        2**0.75,
+        2.0,
+        2.0,
+        1.0,
+        2**0.25,
+        2**0.5,
+        2**-0.5,
+        2**-1.5,
+        2**-0.875,
+        2**-0.25,
+        2**0.375,
+        2.0,
+        2.0,
+    ]
     got = []
     for o in over:
         assert p.scale_for("g", "e5m2") == np.float32(p.mu("g"))
@@ -210,8 +230,15 @@ SEQ = [1.0, 3.0, 0.5, NAN, 2.0, 7.0, 0.0, 1.5, 4.0, 0.25, INF, 1.0]
 
 @pytest.mark.parametrize(
     "spec",
-    ["delayed:history=4", "delayed:history=3,algo=most_recent,margin=1", "msamp:window=3",
-     "autoscale:window=5", "current", "static:scale=2", "mx"],
+    [
+        "delayed:history=4",
+        "delayed:history=3,algo=most_recent,margin=1",
+        "msamp:window=3",
+        "autoscale:window=5",
+        "current",
+        "static:scale=2",
+        "mx",
+    ],
 )
 def test_state_dict_round_trip_mid_sequence(spec):
     def step(p, i, a):
@@ -253,7 +280,10 @@ def test_every_policy_parses_and_round_trips(name):
 
 
 def test_spec_forms():
-    assert parse_policy("delayed:history=16,margin=1,algo=max").spec == "delayed:history=16,algo=max,margin=1"
+    assert (
+        parse_policy("delayed:history=16,margin=1,algo=max").spec
+        == "delayed:history=16,algo=max,margin=1"
+    )
     assert parse_policy(" Delayed : most_recent , history=8 ").params["algo"] == "most_recent"
     assert parse_policy("current:pow2").params["pow2"] is True
     assert parse_policy("current:pow2=false").params["pow2"] is False

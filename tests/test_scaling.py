@@ -54,9 +54,15 @@ def ref_amax(x2d, r, c, ignore_nan=False):
 
 @pytest.mark.parametrize(
     "spec, kind, block",
-    [("tensor", "tensor", None), ("row", "row", None), ("col", "col", None),
-     ("block:1x128", "block", (1, 128)), ("BLOCK:128x128", "block", (128, 128)),
-     ("mx", "mx", (1, 32)), ("mx:rceil", "mx", (1, 32))],
+    [
+        ("tensor", "tensor", None),
+        ("row", "row", None),
+        ("col", "col", None),
+        ("block:1x128", "block", (1, 128)),
+        ("BLOCK:128x128", "block", (128, 128)),
+        ("mx", "mx", (1, 32)),
+        ("mx:rceil", "mx", (1, 32)),
+    ],
 )
 def test_parse_granularity(spec, kind, block):
     g = parse_granularity(spec)
@@ -64,7 +70,9 @@ def test_parse_granularity(spec, kind, block):
     assert parse_granularity(g.spec) == g
 
 
-@pytest.mark.parametrize("bad", ["block:0x128", "block:4x0", "block:-1x4", "blocks", "mx:ceil", "", "block:1"])
+@pytest.mark.parametrize(
+    "bad", ["block:0x128", "block:4x0", "block:-1x4", "blocks", "mx:ceil", "", "block:1"]
+)
 def test_parse_granularity_rejects(bad):
     with pytest.raises(ValueError, match="granularit|block sizes"):
         parse_granularity(bad)
@@ -88,7 +96,9 @@ def test_grid_shapes():
 
 
 @pytest.mark.parametrize("shape", [(3, 130), (257, 31)])
-@pytest.mark.parametrize("gran", ["tensor", "row", "col", "block:1x128", "block:128x128", "block:5x7", "mx"])
+@pytest.mark.parametrize(
+    "gran", ["tensor", "row", "col", "block:1x128", "block:128x128", "block:5x7", "mx"]
+)
 def test_compute_amax_ragged_matches_loops(shape, gran):
     rng = np.random.default_rng(sum(shape))
     x = (rng.standard_normal(shape) * np.exp(rng.uniform(-8, 8, shape))).astype(np.float32)
@@ -200,7 +210,7 @@ def test_mx_scales_at_powers_of_two_and_at_max(fmt):
         ok = np.isfinite(a) & (a > 0)
         floor = mx_shared_scale(a, fmt, "floor")
         rceil = mx_shared_scale(a, fmt, "rceil")
-        for v, s_floor, s_rceil in zip(a[ok], floor[ok], rceil[ok]):
+        for v, s_floor, s_rceil in zip(a[ok], floor[ok], rceil[ok], strict=True):
             q = Fraction(float(v))
             ef = min(max(floor_log2(q) - emax, -127), 127)
             er = min(max(ceil_log2(q / Fraction(f.max)), -127), 127)
@@ -212,7 +222,7 @@ def test_mx_rceil_matches_exact_rule_away_from_powers_of_two():
     rng = np.random.default_rng(7)
     a = (rng.uniform(1, 2, 3000) * np.exp2(rng.integers(-60, 60, 3000))).astype(np.float32)
     got = mx_shared_scale(a, "e4m3", "rceil")
-    for v, s in zip(a, got):
+    for v, s in zip(a, got, strict=True):
         q = Fraction(float(v)) / 448
         e = ceil_log2(q)
         if abs(q / Fraction(2) ** (e - 1) - 1) < Fraction(1, 2**21):
@@ -237,7 +247,9 @@ def test_e8m0_codes():
     )
     # against the e8m0 format of the emulator
     codes = e8m0_codes(np.exp2(np.arange(-127, 128)).astype(np.float32))
-    np.testing.assert_array_equal(fp8sim.decode(codes, "e8m0", dtype=np.float64), np.exp2(np.arange(-127, 128)))
+    np.testing.assert_array_equal(
+        fp8sim.decode(codes, "e8m0", dtype=np.float64), np.exp2(np.arange(-127, 128))
+    )
     with pytest.raises(ValueError, match="powers of two"):
         e8m0_codes([3.0])
 
@@ -265,7 +277,9 @@ def test_float64_input_goes_through_float32():
 
 
 @pytest.mark.parametrize("shape", [(3, 130), (257, 31)])
-@pytest.mark.parametrize("gran", ["tensor", "row", "col", "block:1x128", "block:128x128", "block:4x3", "mx", "mx:rceil"])
+@pytest.mark.parametrize(
+    "gran", ["tensor", "row", "col", "block:1x128", "block:128x128", "block:4x3", "mx", "mx:rceil"]
+)
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_quantize_scaled_ragged_matches_blockwise_reference(shape, gran, fmt):
     rng = np.random.default_rng(11)
@@ -296,7 +310,9 @@ def test_quantize_scaled_ragged_matches_blockwise_reference(shape, gran, fmt):
     if g.kind != "mx" or g.mx_rule == "rceil":  # MX floor may saturate the top of a block
         d = dequantize(st, np.float64)
         full = np.broadcast_to(sinv if g.kind != "tensor" else sinv.reshape(1, 1), amax.shape)
-        sinv_el = np.repeat(np.repeat(full, r, 0)[: shape[0]], c, 1)[:, : shape[1]].astype(np.float64)
+        sinv_el = np.repeat(np.repeat(full, r, 0)[: shape[0]], c, 1)[:, : shape[1]].astype(
+            np.float64
+        )
         bound = np.maximum(np.abs(x) * 2.0 ** -(f.mantissa_bits + 1), f.min_subnormal / 2 * sinv_el)
         assert np.all(np.abs(d - x) <= bound * (1 + 2.0**-20))
 
@@ -338,7 +354,9 @@ def test_nan_in_mx_block_makes_that_block_nan():
         assert st.scale_inv_codes[1, 1] == 255 and st.nan_count == 1
         d = dequantize(st)
         assert np.isnan(d[1, 32:64]).all()
-        assert not np.isnan(np.delete(d, np.s_[32:64], axis=1)[1]).any() and not np.isnan(d[0]).any()
+        assert (
+            not np.isnan(np.delete(d, np.s_[32:64], axis=1)[1]).any() and not np.isnan(d[0]).any()
+        )
     x[0, 0] = np.inf  # an inf makes its block NaN too (cvt.rp.ue8m0 semantics)
     assert np.isnan(quantize_scaled(x, "e4m3", "mx:rceil").scale_inv[0, 0])
 
@@ -349,7 +367,9 @@ def test_nan_in_other_granularities_is_counted_and_skipped():
     assert st.nan_count == 1 and st.amax == 4.0
     assert st.scale_inv == np.float32(1) / np.float32(112)
     d = dequantize(st)
-    assert np.isnan(d[0, 1]) and np.allclose(np.delete(d.ravel(), 1), np.delete(x.ravel(), 1), rtol=2**-4)
+    assert np.isnan(d[0, 1]) and np.allclose(
+        np.delete(d.ravel(), 1), np.delete(x.ravel(), 1), rtol=2**-4
+    )
     with pytest.raises(ValueError, match="NaN"):
         quantize_scaled(x, "e2m1", "row")  # no NaN code in e2m1: the emulator says so
 
@@ -366,7 +386,9 @@ def test_stochastic_rounding_uses_flat_index_counter():
     st = quantize_scaled(x, "e4m3", "block:2x16", rounding="stochastic", seed=1234)
     mult = 1 / st.scale_inv.astype(np.float32)
     y = (x * np.repeat(np.repeat(mult, 2, 0)[:5], 16, 1)[:, :40]).astype(np.float32)
-    np.testing.assert_array_equal(st.codes, fp8sim.encode(y, "e4m3", rounding="stochastic", seed=1234))
+    np.testing.assert_array_equal(
+        st.codes, fp8sim.encode(y, "e4m3", rounding="stochastic", seed=1234)
+    )
     again = quantize_scaled(x, "e4m3", "block:2x16", rounding="stochastic", seed=1234)
     np.testing.assert_array_equal(st.codes, again.codes)
 
@@ -375,7 +397,11 @@ def test_input_dtypes_agree():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((4, 64)).astype(ml_dtypes.bfloat16)
     ref = quantize_scaled(x.astype(np.float32), "e5m2", "row")
-    for variant in (x, torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16), x.astype(np.float16).astype(np.float32)):
+    for variant in (
+        x,
+        torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16),
+        x.astype(np.float16).astype(np.float32),
+    ):
         st = quantize_scaled(variant, "e5m2", "row")
         np.testing.assert_array_equal(st.codes, ref.codes)
     with pytest.raises(TypeError):
@@ -399,10 +425,12 @@ def test_dequantize_rounding_per_dtype():
     sinv = float(np.float32(1) / np.float32(3))
     np.testing.assert_array_equal(dequantize(st, np.float64), v * sinv)  # exact
     np.testing.assert_array_equal(dequantize(st), (v * sinv).astype(np.float32))
-    np.testing.assert_array_equal(dequantize(st, ml_dtypes.bfloat16), (v * sinv).astype(np.float32).astype(ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(
+        dequantize(st, ml_dtypes.bfloat16), (v * sinv).astype(np.float32).astype(ml_dtypes.bfloat16)
+    )
     assert st.dequantize().dtype == np.float32
     with pytest.raises(ValueError, match="MX"):
-        st.scale_inv_codes
+        _ = st.scale_inv_codes
 
 
 def test_granularity_object_is_accepted():

@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="List the scaling policy specs accepted by --policy options, with their "
         "parameters and defaults; or check one SPEC and print its canonical form.",
     )
-    p.add_argument("spec", nargs="?", help="a policy spec to check, e.g. 'delayed:history=16,margin=1'")
+    p.add_argument(
+        "spec", nargs="?", help="a policy spec to check, e.g. 'delayed:history=16,margin=1'"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=run)
 
@@ -43,7 +45,10 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
         else:
             print(info["spec"])
-            print(f"  just in time: {'yes' if info['just_in_time'] else 'no'}; granularity: {info['granularity']}")
+            print(
+                f"  just in time: {'yes' if info['just_in_time'] else 'no'}; "
+                f"granularity: {info['granularity']}"
+            )
         return 0
     if args.json:
         json.dump(POLICY_SPECS, sys.stdout, indent=2)
