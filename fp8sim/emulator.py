@@ -39,6 +39,7 @@ __all__ = [
     "quantize",
     "format_params",
     "decode_table",
+    "as_float_array",
 ]
 
 ROUNDING_MODES = ("rne", "rna", "rtz", "up", "down", "odd", "stochastic")
@@ -112,8 +113,12 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
 
 
-def _as_numpy_float(x: Any, what: str = "x") -> tuple[np.ndarray, bool]:
-    """(array of float32 or float64, came_from_torch). float16/bfloat16 widen exactly."""
+def as_float_array(x: Any, what: str = "x") -> tuple[np.ndarray, bool]:
+    """``(array, came_from_torch)``: ``x`` as a float32 or float64 numpy array, no rounding.
+
+    float16 and bfloat16 (ml_dtypes or torch) widen exactly to float32; float32/float64 pass
+    through (no copy when possible). Integer, complex or other inputs raise TypeError.
+    """
     from_torch = _is_torch(x)
     if from_torch:
         import torch
@@ -269,7 +274,7 @@ def encode(
     array of ``x``'s shape, or a torch tensor (torch.uint8 / torch.uint16) for a torch input.
     """
     fmt = get_format(fmt)
-    arr, from_torch = _as_numpy_float(x)
+    arr, from_torch = as_float_array(x)
     codes = _encode_numpy(arr, fmt, rounding, saturate, rbits, srbits, seed)
     if from_torch:
         import torch
@@ -339,7 +344,7 @@ def quantize(
     """``decode(encode(x))`` in ``x``'s own dtype (float16/bfloat16 results are cast back with
     round-to-nearest-even, exact whenever the format's values fit that dtype)."""
     fmt = get_format(fmt)
-    arr, from_torch = _as_numpy_float(x)
+    arr, from_torch = as_float_array(x)
     codes = _encode_numpy(arr, fmt, rounding, saturate, rbits, srbits, seed)
     wide = np.float64 if arr.dtype == np.float64 else np.float32
     values = decode(codes, fmt, dtype=wide)

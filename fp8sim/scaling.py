@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from fp8sim.emulator import _as_numpy_float, decode, encode
+from fp8sim.emulator import as_float_array, decode, encode
 from fp8sim.formats import FloatFormat, get_format
 
 __all__ = [
@@ -165,7 +165,7 @@ def view2d(shape: tuple[int, ...]) -> tuple[int, int]:
 def _as_float32(x: Any) -> np.ndarray:
     """``float32(x)`` as a numpy array: float16/bfloat16 widen exactly, float64 rounds once
     (values beyond float32's range become +-inf). CPU torch tensors are accepted."""
-    arr, _ = _as_numpy_float(x)
+    arr, _ = as_float_array(x)
     return np.asarray(arr, dtype=np.float32)
 
 
