@@ -111,8 +111,8 @@ def _block_quantize_kernel(
     amax = tl.max(mag, axis=1)
     nans = tl.sum(is_nan.to(tl.int32), axis=1)
     if TILE_R != 1:
-        amax = amax * 0.0 + tl.max(amax, axis=0)
-        nans = nans * 0 + tl.sum(nans, axis=0)
+        amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
+        nans = tl.zeros_like(nans) + tl.sum(nans, axis=0)
     nan = (nans * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
     inf = (nans * 0 + 0x7F800000).to(tl.float32, bitcast=True)
 
@@ -140,13 +140,13 @@ def _block_quantize_kernel(
     else:
         a = tl.where(amax < eps, eps, amax)
         keep = (a == inf) | (a == 0)
-        s = tl.div_rn(FMAX + a * 0.0, tl.where(keep, 1.0, a))
+        s = tl.div_rn(tl.zeros_like(a) + FMAX, tl.where(keep, 1.0, a))
         s = tl.div_rn(s, margin_div)
         s = tl.where(s == inf, F32_MAX, s)
         if POW2:
             s = _pow2(_floor_log2(s))
         s = tl.where(keep, 1.0, s)
-        scale_inv = tl.div_rn(s * 0.0 + 1.0, s)
+        scale_inv = tl.div_rn(tl.zeros_like(s) + 1.0, s)
         y = x * s[:, None]
         e = nans * 0
 

@@ -28,24 +28,6 @@ _NATIVE = {"e4m3": 1, "e5m2": 2}
 
 
 @triton.jit
-def _decode_operand(code, DOT: tl.constexpr, NATIVE: tl.constexpr, M: tl.constexpr,
-                    BIAS: tl.constexpr, MAG_BITS: tl.constexpr, SIGNED: tl.constexpr,
-                    HAS_SUB: tl.constexpr, NAN_KIND: tl.constexpr, NAN_CODE: tl.constexpr,
-                    INF_CODE: tl.constexpr, SUB_SCALE: tl.constexpr):
-    """A tile of codes as a ``tl.dot`` operand (see the module docstring for DOT)."""
-    if DOT == 2:
-        if NATIVE == 1:
-            return code.to(tl.float8e4nv, bitcast=True)
-        else:
-            return code.to(tl.float8e5, bitcast=True)
-    val = decode_f32(code.to(tl.int32), M, BIAS, MAG_BITS, SIGNED, HAS_SUB, NAN_KIND, NAN_CODE,
-                     INF_CODE, SUB_SCALE)
-    if DOT == 1:
-        return val.to(tl.float16)
-    return val
-
-
-@triton.jit
 def _scaled_mm_kernel(
     a_ptr,  # a codes (M, K), uint8, any strides
     b_ptr,  # b codes (K, N), uint8, any strides
@@ -88,14 +70,25 @@ def _scaled_mm_kernel(
         b_mask = (rk[:, None] < n_k - k0) & (rn[None, :] < n_n)
         a = tl.load(a_ptrs, mask=a_mask, other=0)  # code 0 is +0 in every GEMM format
         b = tl.load(b_ptrs, mask=b_mask, other=0)
-        a_op = _decode_operand(a, DOT, A_NATIVE, A_M, A_BIAS, A_MAG_BITS, A_SIGNED, A_HAS_SUB,
-                               A_NAN_KIND, A_NAN_CODE, A_INF_CODE, A_SUB_SCALE)
-        b_op = _decode_operand(b, DOT, B_NATIVE, B_M, B_BIAS, B_MAG_BITS, B_SIGNED, B_HAS_SUB,
-                               B_NAN_KIND, B_NAN_CODE, B_INF_CODE, B_SUB_SCALE)
-        if DOT == 0:
-            acc = tl.dot(a_op, b_op, acc, input_precision="ieee")
-        else:
+        if DOT == 2:  # hardware fp8 operands (constexpr branches: one is compiled)
+            if A_NATIVE == 1:
+                a_op = a.to(tl.float8e4nv, bitcast=True)
+            else:
+                a_op = a.to(tl.float8e5, bitcast=True)
+            if B_NATIVE == 1:
+                b_op = b.to(tl.float8e4nv, bitcast=True)
+            else:
+                b_op = b.to(tl.float8e5, bitcast=True)
             acc = tl.dot(a_op, b_op, acc)
+        else:
+            a_val = decode_f32(a.to(tl.int32), A_M, A_BIAS, A_MAG_BITS, A_SIGNED, A_HAS_SUB,
+                               A_NAN_KIND, A_NAN_CODE, A_INF_CODE, A_SUB_SCALE)
+            b_val = decode_f32(b.to(tl.int32), B_M, B_BIAS, B_MAG_BITS, B_SIGNED, B_HAS_SUB,
+                               B_NAN_KIND, B_NAN_CODE, B_INF_CODE, B_SUB_SCALE)
+            if DOT == 1:  # exact: every 8-bit-format value is a float16
+                acc = tl.dot(a_val.to(tl.float16), b_val.to(tl.float16), acc)
+            else:
+                acc = tl.dot(a_val, b_val, acc, input_precision="ieee")
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 

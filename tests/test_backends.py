@@ -53,6 +53,10 @@ def quantize_or_raise(be, x, fmt, scale, rounding, saturate, seed=None):
 def be(request):
     if request.param == "triton":
         pytest.importorskip("triton")
+        from kernels._cast import is_interpreter
+
+        if not is_interpreter():  # CPU tensors need the interpreter; GPU: test_kernels_gpu.py
+            pytest.skip("triton on CPU tensors needs TRITON_INTERPRET=1")
     return backends.get(request.param)
 
 
@@ -224,6 +228,30 @@ def test_cast_transpose(be, shape):
     assert torch.equal(codes, want)
     assert codes_t.is_contiguous() and torch.equal(codes_t, want.t())
     assert float(scale_inv) == float(np.float32(1) / np.float32(1.25))
+
+
+# -- block / MX scaling ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gran,rounding", [("block:1x32", "rne"), ("block:16x16", "up"),
+                                           ("mx", "rne"), ("mx:rceil", "stochastic")])
+def test_block_quantize(be, gran, rounding):
+    from fp8sim.scaling import quantize_scaled
+
+    x = torch.from_numpy(random_values(3 * 130, seed=12, spread=10)).reshape(3, 130)
+    x[1, 5] = float("nan")
+    seed = SEED if rounding == "stochastic" else None
+    if be.name == "torch":
+        with pytest.raises(NotImplementedError):
+            be.block_quantize(x, "e4m3", gran, rounding=rounding, seed=seed)
+        return
+    codes, scale_inv, amax = be.block_quantize(x, "e4m3", gran, rounding=rounding, seed=seed)
+    st = quantize_scaled(x.numpy(), "e4m3", gran, rounding=rounding, seed=seed)
+    assert torch.equal(codes, torch.from_numpy(st.codes))
+    want = torch.from_numpy(st.scale_inv)
+    assert torch.equal(torch.isnan(scale_inv), torch.isnan(want))
+    assert torch.equal(scale_inv.nan_to_num(-1.0), want.nan_to_num(-1.0))
+    assert torch.equal(amax.nan_to_num(-1.0), torch.from_numpy(st.amax).nan_to_num(-1.0))
 
 
 # -- scaled GEMM ------------------------------------------------------------------------------

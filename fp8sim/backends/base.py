@@ -19,6 +19,8 @@ Semantics shared by all backends (units and rounding):
   to float32, then cast to ``out_dtype`` with round-to-nearest-even.
 * ``cast_transpose``: the codes of ``quantize`` and their transpose (``codes.T``, contiguous) --
   the transposed copy is the same quantization, not a second rounding of ``x.T``.
+* ``block_quantize``: per-group just-in-time scales (1xN, NxN, MX), as
+  ``fp8sim.scaling.quantize_scaled``.
 * ``scaled_mm``: ``(decode(a) @ decode(b)) * a_scale_inv * b_scale_inv`` accumulated in float32.
 * ``adam_step``: the fused FP8-LM Adam step, see :meth:`Backend.adam_step`.
 """
@@ -312,6 +314,26 @@ class Backend:
             x, fmt, scale, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits
         )
         return codes, codes_t, scale_inv
+
+    def block_quantize(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        granularity: str = "block:1x128",
+        *,
+        margin: float = 0,
+        pow2: bool = False,
+        epsilon: float = 0.0,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, scale_inv, amax) with just-in-time scales per group (``row``, ``col``,
+        ``block:RxC``, ``mx``, ``mx:rceil``): exactly ``fp8sim.scaling.quantize_scaled`` (its
+        rules, shapes and NaN handling); scale_inv and amax have the scaling module's grid
+        shape, as float32 tensors."""
+        raise NotImplementedError(f"{self.name}: block_quantize")
 
     # -- GEMM --------------------------------------------------------------------------------
     def scaled_mm(

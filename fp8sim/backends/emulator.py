@@ -92,6 +92,35 @@ class EmulatorBackend(Backend):
         )
         return codes, codes.t().contiguous(), scale_inv, amax
 
+    def block_quantize(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat | str,
+        granularity: str = "block:1x128",
+        *,
+        margin: float = 0,
+        pow2: bool = False,
+        epsilon: float = 0.0,
+        rounding: str = "rne",
+        saturate: bool = True,
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``fp8sim.scaling.quantize_scaled`` (just-in-time scales) on torch tensors."""
+        from fp8sim.scaling import parse_granularity, quantize_scaled
+
+        x = check_input(x)
+        check_rounding(rounding, seed)
+        if parse_granularity(granularity).kind == "tensor":
+            raise ValueError("block_quantize: granularity 'tensor' is quantize()'s job")
+        st = quantize_scaled(x.detach().cpu(), fmt, granularity, margin=margin, pow2=pow2,
+                             epsilon=epsilon, rounding=rounding, saturate=saturate, seed=seed,
+                             srbits=srbits)
+        dev = x.device
+        return (torch.from_numpy(st.codes).to(dev),
+                torch.from_numpy(np.asarray(st.scale_inv, np.float32)).to(dev),
+                torch.from_numpy(np.asarray(st.amax, np.float32)).to(dev))
+
     def scaled_mm(
         self,
         a_codes: torch.Tensor,

@@ -14,6 +14,7 @@ What torch can do exactly as the emulator does, and what it cannot (checked by
 * NaN: torch keeps NaN payload bits; the codes are canonicalized to the format's NaN with the
   input's sign (FNUZ: 0x80), as the emulator writes them.
 
+Block and MX scaling (``block_quantize``) is not implemented here: ``NotImplementedError``.
 Decoding uses the native dtype where torch has one, else an exact table gather (any format).
 ``scaled_mm`` uses ``torch._scaled_mm`` on a CUDA GPU of compute capability 8.9 or newer for
 e4m3/e5m2 operands whose shapes it accepts, else decodes to float32 and multiplies in float32.

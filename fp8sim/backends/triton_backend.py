@@ -132,10 +132,8 @@ class TritonBackend(Backend):
         seed: int | None = None,
         srbits: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes, scale_inv, amax) with just-in-time per-block scales: the same codes and
-        scales as ``fp8sim.scaling.quantize_scaled(x, fmt, granularity, ...)`` (``row``,
-        ``col``, ``block:RxC``, ``mx``, ``mx:rceil``); for MX also see
-        ``kernels.block_quantize`` for the E8M0 scale codes."""
+        """See :meth:`Backend.block_quantize`; one kernel computes the group amaxes, scales and
+        codes (``kernels.block_quantize``, which also returns MX scales as E8M0 codes)."""
         x = check_input(x)
         _check_device(x, "x")
         check_rounding(rounding, seed)

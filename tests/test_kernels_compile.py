@@ -1,0 +1,56 @@
+"""The kernels compile for sm_90 (H100/H200) without a GPU, with the instructions we rely on.
+
+The interpreter cannot show what the GPU compiler does; ``kernels.aot`` compiles for a target
+with the ptxas Triton ships. Checked in the PTX: the Adam step uses IEEE ``div.rn``/``sqrt.rn``
+and no contracted ``fma`` (bit-exact to the emulator's one-rounding-per-operation recipe), the
+native quantize uses ``cvt.rn.satfinite`` (round to nearest even, saturating -- the semantics it
+is allowed for), and nothing flushes subnormals (``.ftz``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia")
+
+VARIANTS = ["quantize_e4m3_native", "quantize_e5m2_stochastic", "dequantize_e5m2_bf16",
+            "block_quantize_128x128", "adam_e4m3_stochastic"]
+
+
+@pytest.fixture(scope="module")
+def facts():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.aot", "--arch", "90", "--json", "--only", *VARIANTS],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_adam_is_ieee_without_contraction(facts):
+    f = facts["adam_e4m3_stochastic"]
+    assert f["fma_f32"] == 0
+    assert f["div_rn_f32"] > 0 and f["div_approx_f32"] == 0
+    assert f["sqrt_rn_f32"] > 0 and f["sqrt_approx_f32"] == 0
+
+
+def test_native_cast_is_rne_saturating(facts):
+    assert facts["quantize_e4m3_native"]["cvt_e4m3"] > 0
+    assert facts["quantize_e5m2_stochastic"]["cvt_e5m2"] == 0  # software cast: no hardware cvt
+
+
+def test_block_scale_division_is_ieee(facts):
+    f = facts["block_quantize_128x128"]
+    assert f["div_rn_f32"] > 0 and f["div_approx_f32"] == 0
+
+
+def test_nothing_flushes_subnormals(facts):
+    assert all(f["ftz"] == 0 for f in facts.values()), {k: f["ftz"] for k, f in facts.items()}

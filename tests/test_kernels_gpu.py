@@ -1,0 +1,125 @@
+"""GPU-only checks of the Triton kernels against the emulator (skipped without a CUDA GPU).
+
+Run on a GPU with the interpreter off: ``TRITON_INTERPRET=0 pytest tests/test_kernels_gpu.py``.
+The same kernels run bit-exact in the interpreter (tests/test_backends.py); here the compiled
+GPU code is held to the emulator, including the native hardware paths the interpreter cannot
+run: the ``.to(tl.float8e4nv / float8e5)`` cast and the fp8 tensor-core dot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fp8sim
+from fp8sim.backends.cases import edge_values, random_values
+from fp8sim.emulator import ROUNDING_MODES, decode_table
+
+try:
+    from kernels._cast import is_interpreter
+except ImportError:  # no triton at all
+    is_interpreter = None
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or is_interpreter is None or is_interpreter(),
+        reason="needs a CUDA GPU and TRITON_INTERPRET=0",
+    ),
+]
+SEED = 4242
+
+
+@pytest.fixture(scope="module")
+def tb():
+    from fp8sim.backends.triton_backend import TritonBackend
+
+    return TritonBackend(native=False), TritonBackend(native=True)
+
+
+def _inputs(fmt: str, n: int = 1 << 20) -> torch.Tensor:
+    x = np.concatenate([edge_values(fmt), random_values(n, seed=1, spread=30.0)])
+    return torch.from_numpy(x)
+
+
+@pytest.mark.parametrize("saturate", [True, False])
+@pytest.mark.parametrize("rounding", ROUNDING_MODES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e4m3fnuz", "e3m4", "fp16", "bf16"])
+def test_software_cast_on_gpu(tb, fmt, rounding, saturate):
+    x = _inputs(fmt)
+    seed = SEED if rounding == "stochastic" else None
+    codes, _, amax = tb[0].quantize_with_amax(x.cuda(), fmt, 1.0, rounding=rounding,
+                                              saturate=saturate, seed=seed)
+    want = fp8sim.encode(x.numpy(), fmt, rounding=rounding, saturate=saturate, seed=seed)
+    assert torch.equal(codes.cpu(), torch.from_numpy(want))
+    assert torch.isnan(amax)  # edge values hold NaN
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_native_cast_equals_emulator(tb, fmt):
+    x = _inputs(fmt, 1 << 22)
+    for scale in (1.0, 3.0e-3, 1024.0):
+        codes, _ = tb[1].quantize(x.cuda(), fmt, scale)
+        want = fp8sim.encode(x.numpy() * np.float32(scale), fmt)
+        assert torch.equal(codes.cpu(), torch.from_numpy(want)), scale
+
+
+def test_cast_transpose_dequantize_block_on_gpu(tb):
+    from fp8sim.scaling import quantize_scaled
+
+    x = torch.from_numpy(random_values(1000 * 600, seed=3, spread=10.0)).reshape(1000, 600)
+    codes, codes_t, _ = tb[0].cast_transpose(x.cuda(), "e4m3", 2.0, rounding="stochastic", seed=SEED)
+    want = torch.from_numpy(fp8sim.encode(x.numpy() * np.float32(2.0), "e4m3", rounding="stochastic", seed=SEED))
+    assert torch.equal(codes.cpu(), want) and torch.equal(codes_t.cpu(), want.t())
+    vals = tb[0].dequantize(codes, "e4m3", 0.5, out_dtype=torch.bfloat16).cpu()
+    ref = torch.from_numpy(fp8sim.decode(want.numpy(), "e4m3") * np.float32(0.5)).to(torch.bfloat16)
+    assert torch.equal(vals.view(torch.int16), ref.view(torch.int16))
+    for gran in ("block:1x128", "block:128x128", "mx", "mx:rceil", "col"):
+        c, s, _ = tb[0].block_quantize(x.cuda(), "e4m3", gran)
+        st = quantize_scaled(x.numpy(), "e4m3", gran)
+        assert torch.equal(c.cpu(), torch.from_numpy(st.codes)), gran
+        assert torch.equal(s.cpu(), torch.from_numpy(st.scale_inv)), gran
+
+
+@pytest.mark.parametrize("fmts", [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e3m4", "e4m3fnuz")])
+@pytest.mark.parametrize("native", [False, True])
+def test_scaled_mm_on_gpu(tb, fmts, native):
+    m, k, n = 257, 1024, 129
+    rng = np.random.default_rng(5)
+    def codes(fmt, shape):
+        ok = np.flatnonzero(np.isfinite(decode_table(fmt, np.float64))).astype(np.uint8)
+        return torch.from_numpy(ok[rng.integers(0, ok.size, shape)])
+    a, b = codes(fmts[0], (m, k)), codes(fmts[1], (n, k)).t()
+    sa = torch.from_numpy(rng.uniform(0.5, 2, (m, 1)).astype(np.float32))
+    out = tb[int(native)].scaled_mm(a.cuda(), fmts[0], sa.cuda(), b.cuda(), fmts[1], 0.25).cpu()
+    av = decode_table(fmts[0], np.float64)[a.numpy()]
+    bv = decode_table(fmts[1], np.float64)[b.numpy()]
+    ref = (av @ bv) * sa.numpy() * 0.25
+    mag = (np.abs(av) @ np.abs(bv)) * sa.numpy() * 0.25
+    # fp8 tensor cores add products with fewer than float32's bits before the float32
+    # accumulator; 2**-12 relative to sum |a||b| covers that, float32 accumulation is (K+2)u
+    rel = 2.0**-12 if native and fmts[0] in ("e4m3", "e5m2") else (k + 2) * 2.0**-24
+    assert np.all(np.abs(out.double().numpy() - ref) <= rel * mag + 2.0**-24 * np.abs(ref))
+
+
+def test_adam_on_gpu(tb):
+    from fp8sim.backends import get
+
+    rng = np.random.default_rng(9)
+    shape = (513, 257)
+    w = torch.from_numpy((rng.standard_normal(shape) * 20).astype(np.float16))
+    g = torch.from_numpy((rng.standard_normal(shape) * 1e-3).astype(np.float32))
+    m = torch.from_numpy(rng.integers(0, 0x7E, shape, dtype=np.uint8))
+    v = torch.from_numpy((rng.random(shape) * 1e-2).astype(np.float16))
+    for rounding in ("rne", "stochastic"):
+        kw = dict(step=5, lr=1e-3, weight_decay=0.1, rounding=rounding,
+                  seed=SEED if rounding == "stochastic" else None)
+        gpu = [t.cuda() for t in (w, m, v)]
+        cpu = [t.clone() for t in (w, m, v)]
+        r1 = tb[0].adam_step(gpu[0], 1 / 1024, g.cuda(), gpu[1], 1 / 64, gpu[2], 1.0, **kw)
+        r2 = get("emulator").adam_step(cpu[0], 1 / 1024, g, cpu[1], 1 / 64, cpu[2], 1.0, **kw)
+        for a, b in zip(gpu, cpu):
+            assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), rounding
+        for a, b in zip(r1, r2):
+            assert torch.equal(a.cpu(), b), rounding
