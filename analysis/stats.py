@@ -39,7 +39,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from fp8sim._jit import jit_kernel
+from fp8sim._jit import jit_serial
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import Granularity, mx_shared_scale, parse_granularity, scale_from_amax, view2d
 from fp8sim.trace import EXPONENT_MAX, EXPONENT_MIN
@@ -144,72 +144,152 @@ def _bits_f32(typingctx, u):
 
 
 def _parts(n: int) -> int:
-    return max(1, min(numba.get_num_threads(), n // (1 << 15)))
+    """Thread parts for n elements: at most one per numba thread, at least 64 Ki elements each."""
+    return max(1, min(numba.get_num_threads(), n // (1 << 16)))
 
 
-@jit_kernel
-def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
-    """Format-independent figures of one chunk and each granularity's per-group amax.
+#: elements per inner block: the float64 scratch buffers stay in L1
+_BLOCK = 2048
+_SKIP = 0xFFFFFFFF  # "no histogram entry" marker (zero, NaN, inf)
+_SUB = 0xFFFFFFFE  # "float32 subnormal: find the bin in the scatter loop" marker
 
-    x: the chunk (float32/float64), flat C-order elements i0 .. i0+x.size of the (M, ncols) view.
-    gran[g] = (R, C, Gc, first grid row of this chunk); local grids of granularity g start at
-    local_off[g] in a per-part buffer of n_local entries.
-    Returns per part: counts (P, 3) = nan, inf, zero; amax (P,) of finite |float32(x)|;
-    sig2 (P,) = sum x^2 over finite; log2 (P, n_log2); gamax (P, n_local) float32; gnan (P, n_local).
+
+@jit_serial
+def _sum4(buf, m):
+    """Sum of buf[:m] with four interleaved accumulators (a fixed order: deterministic)."""
+    s0 = 0.0
+    s1 = 0.0
+    s2 = 0.0
+    s3 = 0.0
+    q = m // 4
+    for k in range(q):
+        s0 += buf[4 * k]
+        s1 += buf[4 * k + 1]
+        s2 += buf[4 * k + 2]
+        s3 += buf[4 * k + 3]
+    for k in range(4 * q, m):
+        s0 += buf[k]
+    return (s0 + s1) + (s2 + s3)
+
+
+@jit_serial
+def _scan_block(xs, buf, ubuf, log2):
+    """Format-independent figures of one block ``xs`` (a contiguous view, <= _BLOCK long).
+
+    A branch-free first loop (LLVM vectorizes it): NaN/inf/zero counts, the max float32 bits of
+    the finite |x| (bit patterns order like magnitudes), x^2 into ``buf``, and each value's
+    log2 bin into ``ubuf``; then the histogram scatter into 4 interleaved copies of ``log2``
+    (no store-to-load chains on a hot bin). Returns (nan, inf, zero, amax bits, sum x^2).
     """
-    n = x.size
-    counts = np.zeros((n_parts, 3), np.int64)
-    amax = np.zeros(n_parts, np.float64)
-    sig2 = np.zeros(n_parts, np.float64)
-    log2 = np.zeros((n_parts, EXPONENT_MAX - EXPONENT_MIN + 1), np.int64)
-    gamax = np.zeros((n_parts, n_local), np.float32)
-    gnan = np.zeros((n_parts, n_local), np.int64)
-    per = (n + n_parts - 1) // n_parts
-    for p in numba.prange(n_parts):
-        s = p * per
-        e = min(n, s + per)
-        nan = 0
-        inf = 0
-        zero = 0
-        mx = 0.0
-        sq = 0.0
-        for i in range(s, e):
-            v = np.float64(x[i])
-            if v != v:
-                nan += 1
+    m = xs.size
+    nan = 0
+    inf = 0
+    zero = 0
+    mxb = np.uint32(0)
+    for k in range(m):
+        v = np.float64(xs[k])
+        ax = abs(v)
+        nan += np.int64(v != v)
+        inf += np.int64(ax == np.inf)
+        zero += np.int64(v == 0.0)
+        u = _f32_bits(np.float32(ax))
+        mxb = max(mxb, u & (np.uint32(0) - np.uint32(ax < np.inf)))  # finite x only
+        buf[k] = v * v if ax < np.inf else 0.0
+    top = np.uint32(EXPONENT_MAX - EXPONENT_MIN)
+    for k in range(m):
+        v = np.float64(xs[k])
+        ax = abs(v)
+        u = _f32_bits(np.float32(ax))
+        eb = u >> np.uint32(23)
+        # bin = floor(log2) - EXPONENT_MIN: normal eb - 127 + 150; eb 255 (a float64 beyond
+        # float32) and u == 0 (a nonzero float64 below it) are the sentinels; float32
+        # subnormals are resolved in the scatter loop
+        idx = eb + np.uint32(23)
+        idx = top if eb == np.uint32(255) else idx
+        idx = np.uint32(_SUB) if eb == np.uint32(0) else idx
+        idx = np.uint32(0) if u == np.uint32(0) else idx
+        ubuf[k] = idx if ((ax < np.inf) & (v != 0.0)) else np.uint32(_SKIP)
+    sq = _sum4(buf, m)
+    for k in range(m):
+        b = ubuf[k]
+        if b >= np.uint32(_SUB):
+            if b == np.uint32(_SKIP):
                 continue
-            a32 = np.float32(abs(v))
-            if abs(v) == np.inf:
-                inf += 1
-                continue
-            if v == 0.0:
-                zero += 1
-                continue
-            sq += v * v
-            a = np.float64(a32)
-            if a > mx:
-                mx = a
-            u = _f32_bits(a32)
-            ebits = np.int64(u >> np.uint32(23))
-            if ebits == 255:
-                b = EXPONENT_MAX  # float64 beyond float32: sentinel
-            elif ebits > 0:
-                b = ebits - 127
-            elif u == 0:
-                b = EXPONENT_MIN  # float64 below float32's subnormals: sentinel
-            else:
-                b = -150
-                mm = u
-                while mm > 0:
-                    mm >>= np.uint32(1)
-                    b += 1
-            log2[p, b - EXPONENT_MIN] += 1
-        counts[p, 0] = nan
-        counts[p, 1] = inf
-        counts[p, 2] = zero
-        amax[p] = mx
-        sig2[p] = sq
-        # per-group amax: row segments, then the tiles of each granularity inside them
+            u = _f32_bits(np.float32(abs(np.float64(xs[k]))))
+            e = -150  # float32 subnormal: floor(log2) from the leading one
+            while u > 0:
+                u >>= np.uint32(1)
+                e += 1
+            b = np.uint32(e - EXPONENT_MIN)
+        log2[k & 3, b] += 1
+    return nan, inf, zero, mxb, sq
+
+
+@jit_serial
+def _tile_amax(xs):
+    """(max float32 bits of |x| over non-NaN elements (inf included), NaN count) of a tile."""
+    mxb = np.uint32(0)
+    nan = 0
+    for k in range(xs.size):
+        v = np.float64(xs[k])
+        nan += np.int64(v != v)
+        u = _f32_bits(np.float32(abs(v)))
+        mxb = max(mxb, u & (np.uint32(0) - np.uint32(v == v)))
+    return mxb, nan
+
+
+@jit_serial
+def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf):
+    """The saturating RNE cast ``float32(float32(x) * sc)`` of one block and its figures.
+
+    Works on float32 bit patterns: in the normal range the RNE rounding to m mantissa bits is the
+    integer add ``(u + 2**(shift-1) - 1 + lsb) & keep`` (a carry moves into the exponent as it
+    should); below ``min_normal`` the quantum is fixed and ``(a + csub) - csub`` rounds to it in
+    float32 (csub = 2**(emin - m + 23)). Overflow: the rounded bits exceed max's bits (an inf
+    product too). Branch-free so LLVM vectorizes it. Returns (overflow, underflow, subnormal,
+    sum of (deq - x)^2) over the finite elements.
+    """
+    m = xs.size
+    over = 0
+    under = 0
+    sub = 0
+    for k in range(m):
+        ax = abs(np.float64(xs[k]))
+        fin = np.int64(ax < np.inf)
+        a = np.float32(np.float32(ax) * sc)
+        u = _f32_bits(a)
+        ur = np.uint32((u + half_m1 + ((u >> shift) & np.uint32(1))) & keep)
+        us = _f32_bits((a + csub) - csub)
+        qb = us if u < minnorm_bits else ur
+        ovb = np.int64(qb > max_bits) & fin
+        over += ovb
+        under += fin & np.int64(qb == 0) & np.int64(ax != 0)
+        sub += fin & np.int64(qb != 0) & np.int64(qb < minnorm_bits)
+        qb = max_bits if ovb else qb
+        d = np.float64(np.float32(_bits_f32(qb) * si)) - ax
+        buf[k] = d * d if fin else 0.0
+    return over, under, sub, _sum4(buf, m)
+
+
+@jit_serial
+def _part_a(x, s, e, i0, ncols, gran, local_off, log2, gamax, gnan):
+    """Pass A over elements [s, e) of the chunk: see :func:`_pass_a`."""
+    buf = np.empty(_BLOCK, np.float64)
+    ubuf = np.empty(_BLOCK, np.uint32)
+    nan = 0
+    inf = 0
+    zero = 0
+    mxb = np.uint32(0)
+    sq = 0.0
+    for b0 in range(s, e, _BLOCK):
+        b1 = min(e, b0 + _BLOCK)
+        n1, n2, n3, mb, q = _scan_block(x[b0:b1], buf, ubuf, log2)
+        nan += n1
+        inf += n2
+        zero += n3
+        mxb = mb if mb > mxb else mxb
+        sq += q
+    if gran.shape[0] > 0:
         i = s
         r = (i0 + i) // ncols
         c = (i0 + i) - r * ncols
@@ -224,114 +304,125 @@ def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
                 while cc < c + seg:
                     t = cc // C
                     stop = min((t + 1) * C, c + seg)
-                    m = gamax[p, row_base + t]
-                    nn = 0
-                    for j in range(i + cc - c, i + stop - c):
-                        v = x[j]
-                        if v != v:
-                            nn += 1
-                        else:
-                            a = np.float32(abs(v))
-                            if a > m:
-                                m = a
-                    gamax[p, row_base + t] = m
-                    gnan[p, row_base + t] += nn
+                    mb, nn = _tile_amax(x[i + cc - c : i + stop - c])
+                    if mb > gamax[row_base + t]:
+                        gamax[row_base + t] = mb
+                    gnan[row_base + t] += nn
                     cc = stop
             i += seg
             r += 1
             c = 0
+    return nan, inf, zero, mxb, sq
+
+
+def _run_parts(fn, n: int, n_parts: int, make_args) -> None:
+    """Run ``fn(*make_args(p, s, e))`` over ``n_parts`` contiguous parts of ``range(n)``, on
+    threads (the numba functions release the GIL); each part writes only its own outputs."""
+    per = (n + n_parts - 1) // n_parts
+    bounds = [(p, p * per, min(n, (p + 1) * per)) for p in range(n_parts)]
+    if n_parts == 1:
+        return [fn(*make_args(*bounds[0]))]
+    return list(_executor().map(lambda b: fn(*make_args(*b)), bounds))
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _EXECUTOR = ThreadPoolExecutor(max_workers=numba.get_num_threads())
+    return _EXECUTOR
+
+
+def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
+    """Format-independent figures of one chunk and each granularity's per-group amax.
+
+    x: the chunk (float32/float64), flat C-order elements i0 .. i0+x.size of the (M, ncols) view.
+    gran[g] = (R, C, Gc, first grid row of this chunk); granularity g's local grid starts at
+    local_off[g] in a per-part buffer of n_local entries.
+    Returns per part: counts (P, 3) = nan, inf, zero; amax bits (P,) (float32 bits of the max
+    finite |float32(x)|); sig2 (P,) = sum x^2 over finite; log2 (P, 4, n_log2);
+    gamax (P, n_local) group amax as float32 bits (NaN skipped); gnan (P, n_local) NaN counts.
+    """
+    log2 = np.zeros((n_parts, 4, EXPONENT_MAX - EXPONENT_MIN + 1), np.int64)
+    gamax = np.zeros((n_parts, n_local), np.uint32)
+    gnan = np.zeros((n_parts, n_local), np.int64)
+    out = _run_parts(
+        _part_a, x.size, n_parts,
+        lambda p, s, e: (x, s, e, i0, ncols, gran, local_off, log2[p], gamax[p], gnan[p]),
+    )  # fmt: skip
+    counts = np.array([o[:3] for o in out], np.int64).reshape(n_parts, 3)
+    amax = np.array([o[3] for o in out], np.uint32)
+    sig2 = np.array([o[4] for o in out], np.float64)
     return counts, amax, sig2, log2, gamax, gnan
 
 
-@jit_kernel
+@jit_serial
+def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, counts, err2):
+    """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
+    buf = np.empty(_BLOCK, np.float64)
+    i = s
+    r = (i0 + i) // ncols
+    c = (i0 + i) - r * ncols
+    while i < e:
+        seg = min(ncols - c, e - i)
+        for v in range(vint.shape[0]):
+            R = vint[v, 0]
+            C = vint[v, 1]
+            Gc = vint[v, 2]
+            shift = np.uint32(vint[v, 4])
+            half_m1 = np.uint32((1 << (vint[v, 4] - 1)) - 1)
+            keep = ~np.uint32((1 << vint[v, 4]) - 1)
+            max_bits = np.uint32(vint[v, 5])
+            minnorm_bits = np.uint32(vint[v, 6])
+            csub = np.float32(vflt[v, 0])
+            row_base = vint[v, 3] + (r // R) * Gc
+            cc = c
+            while cc < c + seg:
+                t = cc // C
+                stop = min((t + 1) * C, c + seg)
+                sc = scales[row_base + t]
+                si = sinvs[row_base + t]
+                a0 = i + cc - c
+                a1 = i + stop - c
+                if si != si:  # NaN MX scale: the whole block is NaN
+                    for j in range(a0, a1):
+                        counts[v, 3] += np.int64(abs(np.float64(x[j])) < np.inf)
+                else:
+                    for b0 in range(a0, a1, _BLOCK):
+                        b1 = min(a1, b0 + _BLOCK)
+                        o, u, sb, q = _cast_block(
+                            x[b0:b1], sc, si, shift, half_m1, keep, max_bits, minnorm_bits,
+                            csub, buf,
+                        )  # fmt: skip
+                        counts[v, 0] += o
+                        counts[v, 1] += u
+                        counts[v, 2] += sb
+                        err2[v] += q
+                cc = stop
+        i += seg
+        r += 1
+        c = 0
+
+
 def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts):
-    """Every variant's figures over one chunk, one numba pass.
+    """Every variant's figures over one chunk (one pass; parts on threads).
 
     vint[v] = (R, C, Gc, scale offset, shift = 23 - mantissa bits, float32 bits of fmt.max,
-    float32 bits of fmt.min_normal); vflt[v] = (2**(emin - m + 23) (the subnormal rounding
-    constant), fmt.max, fmt.min_normal). scales / sinvs: every variant's full scale grid, flat
-    (float32). Returns per part: counts (P, V, 4) = overflow, underflow, subnormal, lost;
-    err2 (P, V) = sum (deq - x)^2.
+    float32 bits of fmt.min_normal); vflt[v] = (2**(emin - m + 23), fmt.max, fmt.min_normal).
+    scales / sinvs: every variant's full scale grid, flat (float32). Returns per part:
+    counts (P, V, 4) = overflow, underflow, subnormal, lost; err2 (P, V) = sum (deq - x)^2.
     """
-    n = x.size
     nv = vint.shape[0]
     counts = np.zeros((n_parts, nv, 4), np.int64)
     err2 = np.zeros((n_parts, nv), np.float64)
-    per = (n + n_parts - 1) // n_parts
-    for p in numba.prange(n_parts):
-        s = p * per
-        e = min(n, s + per)
-        i = s
-        r = (i0 + i) // ncols
-        c = (i0 + i) - r * ncols
-        while i < e:
-            seg = min(ncols - c, e - i)
-            for v in range(nv):
-                R = vint[v, 0]
-                C = vint[v, 1]
-                Gc = vint[v, 2]
-                shift = np.uint32(vint[v, 4])
-                half_m1 = np.uint32((1 << vint[v, 4] - 1) - 1)
-                keep = ~np.uint32((1 << vint[v, 4]) - 1)
-                max_bits = np.uint32(vint[v, 5])
-                minnorm_bits = np.uint32(vint[v, 6])
-                csub = np.float32(vflt[v, 0])
-                fmax = np.float32(vflt[v, 1])
-                minnorm = np.float32(vflt[v, 2])
-                row_base = vint[v, 3] + (r // R) * Gc
-                over = 0
-                under = 0
-                sub = 0
-                lost = 0
-                sq = 0.0
-                cc = c
-                while cc < c + seg:
-                    t = cc // C
-                    stop = min((t + 1) * C, c + seg)
-                    sc = scales[row_base + t]
-                    si = sinvs[row_base + t]
-                    if si != si:  # NaN MX scale: the block is NaN
-                        for j in range(i + cc - c, i + stop - c):
-                            xv = np.float64(x[j])
-                            if xv == xv and abs(xv) != np.inf:
-                                lost += 1
-                        cc = stop
-                        continue
-                    for j in range(i + cc - c, i + stop - c):
-                        xv = np.float64(x[j])
-                        ax = abs(xv)
-                        if not ax < np.inf:  # NaN or inf: counted in pass A
-                            continue
-                        a = np.float32(np.float32(ax) * sc)
-                        u = _f32_bits(a)
-                        if u >= np.uint32(0x7F800000):  # the float32 product overflowed
-                            over += 1
-                            q = fmax
-                        elif u < minnorm_bits:
-                            q = (a + csub) - csub  # RNE at the subnormal quantum
-                            if q == 0:
-                                if ax != 0:
-                                    under += 1
-                            elif q < minnorm:
-                                sub += 1
-                        else:
-                            ur = (u + half_m1 + ((u >> shift) & np.uint32(1))) & keep
-                            if ur > max_bits:
-                                over += 1
-                                q = fmax
-                            else:
-                                q = _bits_f32(ur)
-                        d = np.float64(np.float32(q * si)) - ax
-                        sq += d * d
-                    cc = stop
-                counts[p, v, 0] += over
-                counts[p, v, 1] += under
-                counts[p, v, 2] += sub
-                counts[p, v, 3] += lost
-                err2[p, v] += sq
-            i += seg
-            r += 1
-            c = 0
+    _run_parts(
+        _part_b, x.size, n_parts,
+        lambda p, s, e: (x, s, e, i0, ncols, vint, vflt, scales, sinvs, counts[p], err2[p]),
+    )  # fmt: skip
     return counts, err2
 
 
@@ -433,13 +524,13 @@ def _as_reader(x: Any) -> tuple[Callable[[int, int], np.ndarray], tuple[int, ...
     """(read(start, stop) -> float32/float64, shape, dtype name) of an array, tensor or source."""
     if hasattr(x, "read") and hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "numel"):
         return x.read, tuple(x.shape), str(x.dtype)
-    from fp8sim.emulator import _as_numpy_float
+    from fp8sim.emulator import as_float_array
 
     if type(x).__module__.startswith("torch"):
         dtype = str(x.dtype).replace("torch.", "")
     else:
         dtype = np.asarray(x).dtype.name
-    arr, _ = _as_numpy_float(x)
+    arr, _ = as_float_array(x)
     flat = np.ascontiguousarray(arr).reshape(-1)
     return (lambda a, b: flat[a:b]), tuple(arr.shape), dtype
 
@@ -475,42 +566,49 @@ def tensor_stats(
     for g in grans:
         r, c = g.tile(m, n)
         g_tiles.append((r, c, -(-n // c), -(-m // r)))
-    g_amax = [np.zeros(gr * gc, np.float32) for (_, _, gc, gr) in g_tiles]
+    g_amax = [np.zeros(gr * gc, np.uint32) for (_, _, gc, gr) in g_tiles]  # float32 bits
     g_nan = [np.zeros(gr * gc, np.int64) for (_, _, gc, gr) in g_tiles]
 
     # ---- pass A ----
     counts = np.zeros(3, np.int64)
-    amax = 0.0
+    amax_bits = np.uint32(0)
     sig2 = 0.0
     log2 = np.zeros(_N_LOG2, np.int64)
     for start in range(0, numel, chunk):
         xc = read(start, min(numel, start + chunk))
         first_row = start // n
         last_row = (start + xc.size - 1) // n
-        gran = np.zeros((len(grans), 4), np.int64)
-        local_off = np.zeros(len(grans) + 1, np.int64)
-        for k, (r, c, gc, _) in enumerate(g_tiles):
+        # granularities the kernel tiles (tensor's amax comes from the chunk's own amax)
+        tiled = [k for k, g in enumerate(grans) if g.kind != "tensor"]
+        gran = np.zeros((len(tiled), 4), np.int64)
+        local_off = np.zeros(len(tiled) + 1, np.int64)
+        for j, k in enumerate(tiled):
+            r, c, gc, _ = g_tiles[k]
             lo, hi = first_row // r, last_row // r
-            gran[k] = (r, c, gc, lo)
-            local_off[k + 1] = local_off[k] + (hi - lo + 1) * gc
-        n_parts = _parts(xc.size)
+            gran[j] = (r, c, gc, lo)
+            local_off[j + 1] = local_off[j] + (hi - lo + 1) * gc
         cnt, am, sq, lg, gam, gnn = _pass_a(
-            xc, start, n, gran, local_off, int(local_off[-1]), n_parts
+            xc, start, n, gran, local_off, int(local_off[-1]), _parts(xc.size)
         )
         counts += cnt.sum(axis=0)
-        amax = max(amax, float(am.max()))
+        amax_bits = max(amax_bits, am.max())
         sig2 += float(sq.sum())
-        log2 += lg.sum(axis=0)
-        for k in range(len(grans)):
-            a, b = int(local_off[k]), int(local_off[k + 1])
-            lo = int(gran[k, 3]) * int(gran[k, 2])
+        log2 += lg.sum(axis=(0, 1))
+        for k, g in enumerate(grans):
+            if g.kind == "tensor":  # NaN skipped, an inf counts (as quantize_scaled does)
+                a = np.uint32(0x7F800000) if cnt[:, 1].sum() else am.max()
+                g_amax[k][0] = max(g_amax[k][0], a)
+        for j, k in enumerate(tiled):
+            a, b = int(local_off[j]), int(local_off[j + 1])
+            lo = int(gran[j, 3]) * int(gran[j, 2])
             tgt = slice(lo, lo + (b - a))
             g_amax[k][tgt] = np.maximum(g_amax[k][tgt], gam[:, a:b].max(axis=0))
             g_nan[k][tgt] += gnn[:, a:b].sum(axis=0)
         if progress is not None:
             progress(xc.size)
     res.nan, res.inf, res.zero = (int(v) for v in counts)
-    res.amax, res.sig2, res.log2_counts = amax, sig2, log2
+    res.amax = float(np.array([amax_bits], np.uint32).view(np.float32)[0])
+    res.sig2, res.log2_counts = sig2, log2
 
     # ---- scales, with the scaling module's own rules ----
     vint = np.zeros((len(variants), 7), np.int64)
@@ -525,7 +623,7 @@ def tensor_stats(
         else:
             gi = grans.index(v.granularity)
             r, c, gc, _ = g_tiles[gi]
-            gam = g_amax[gi]
+            gam = g_amax[gi].view(np.float32)
             if v.granularity.kind == "mx":
                 a = np.where(g_nan[gi] > 0, np.float32(np.nan), gam).astype(np.float32)
                 sinv = mx_shared_scale(a, fmt, v.granularity.mx_rule)

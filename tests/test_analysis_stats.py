@@ -20,7 +20,6 @@ SCALINGS = ["none", "tensor", "row", "col", "block:16x16", "block:1x128", "mx", 
 def reference(x, fmt, scaling):
     """Figures of one variant straight from the emulator on the whole tensor."""
     fmt = fp8sim.get_format(fmt)
-    x32 = np.asarray(x, dtype=np.float32)
     x64 = np.asarray(x, dtype=np.float64)
     g = "tensor" if scaling == "none" else scaling
     kw = {"scale": np.float32(1)} if scaling == "none" else {}

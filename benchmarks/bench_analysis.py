@@ -1,0 +1,111 @@
+"""Throughput of analysis.stats (two formats x tensor scaling) against a straightforward multi-pass
+numpy implementation of the same figures and against a numpy copy of the same data.
+
+Ratios in one process on the same float32 data, median of several runs (never absolute claims):
+
+    .venv/bin/python benchmarks/bench_analysis.py [--n 16777216] [--repeat 5] [--threads N]
+
+Targets (issue 4): >= 5x the numpy implementation, >= 40% of the copy element rate.
+The numpy implementation is checked against ours first (same counts), so it is a fair opponent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from analysis.stats import parse_variants, tensor_stats  # noqa: E402
+from fp8sim.formats import get_format  # noqa: E402
+
+
+def numpy_stats(x: np.ndarray, fmt_names: list[str]) -> list[dict]:
+    """The same figures with plain numpy, pass after pass (RNE via frexp/rint/ldexp)."""
+    x64 = x.astype(np.float64)
+    fin = np.isfinite(x)
+    nan, inf = int(np.isnan(x).sum()), int(np.isinf(x).sum())
+    zero = int((x == 0).sum())
+    ax = np.abs(np.where(fin, x, 0))
+    amax = np.float32(ax.max())
+    _, ex = np.frexp(ax[ax > 0])
+    log2 = np.bincount(ex - 1 + 150, minlength=279)
+    sig2 = float(np.sum(x64[fin] ** 2))
+    out = []
+    for name in fmt_names:
+        f = get_format(name)
+        scale = np.float32(np.float32(f.max) / amax)
+        p = (x * scale).astype(np.float32).astype(np.float64)
+        a = np.abs(p)
+        m, e = np.frexp(a)  # a = m * 2**e, 0.5 <= m < 1
+        e = np.maximum(e - 1, f.emin)  # the quantum's exponent, subnormals included
+        q = np.ldexp(np.rint(np.ldexp(a, f.mantissa_bits - e)), e - f.mantissa_bits)
+        over = fin & (q > f.max)
+        q = np.minimum(q, f.max)
+        under = fin & (x != 0) & (q == 0)
+        sub = fin & (q > 0) & (q < f.min_normal)
+        deq = (np.copysign(q, p) * np.float64(np.float32(1) / scale)).astype(np.float32)
+        err2 = float(np.sum((deq[fin].astype(np.float64) - x64[fin]) ** 2))
+        out.append(dict(overflow=int(over.sum()), underflow=int(under.sum()),
+                        subnormal=int(sub.sum()), err2=err2, sig2=sig2, nan=nan, inf=inf,
+                        zero=zero, log2=log2))  # fmt: skip
+    return out
+
+
+def median_time(fn, repeat: int) -> float:
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=1 << 24, help="elements (float32)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="numba threads (default: all)")
+    args = ap.parse_args()
+    if args.threads:
+        import numba
+
+        numba.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(args.n) * np.exp2(rng.integers(-12, 4, args.n))).astype(np.float32)
+    fmts = ["e4m3", "e5m2"]
+    variants = parse_variants(fmts, ["tensor"])
+
+    # correctness first: the numpy implementation must agree
+    small = x[: 1 << 18]
+    ours = tensor_stats(small, variants)
+    ref = numpy_stats(small, fmts)
+    for v, r in zip(ours.variants, ref):
+        assert (v.overflow, v.underflow, v.subnormal) == (r["overflow"], r["underflow"], r["subnormal"])
+        assert abs(v.err2 / r["err2"] - 1) < 1e-9
+
+    t_ours = median_time(lambda: tensor_stats(x, variants), args.repeat)
+    t_np = median_time(lambda: numpy_stats(x, fmts), max(1, args.repeat // 2))
+    dst = np.empty_like(x)
+    t_copy = median_time(lambda: np.copyto(dst, x), args.repeat)
+    import numba
+
+    rate = lambda t: args.n / t / 1e9  # noqa: E731
+    print(f"machine: {platform.machine()} {os.cpu_count()} cpus, numba threads "
+          f"{numba.get_num_threads()}, python {platform.python_version()}, numpy {np.__version__}")  # fmt: skip
+    print(f"data: {args.n} float32 elements ({args.n * 4 / 2**20:.0f} MiB); 2 formats x tensor scaling")
+    print(f"analysis.stats  : {rate(t_ours):7.3f} Gelem/s  (median {t_ours * 1e3:.1f} ms)")
+    print(f"numpy multi-pass: {rate(t_np):7.3f} Gelem/s  (median {t_np * 1e3:.1f} ms)")
+    print(f"numpy copy      : {rate(t_copy):7.3f} Gelem/s  (median {t_copy * 1e3:.1f} ms)")
+    print(f"speed-up vs numpy implementation: {t_np / t_ours:.1f}x   (target >= 5x)")
+    print(f"share of the copy element rate  : {100 * t_copy / t_ours:.0f}%   (target >= 40%)")
+
+
+if __name__ == "__main__":
+    main()
