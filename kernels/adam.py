@@ -122,12 +122,13 @@ def adam_step(
     rounding: str = "rne",
     saturate: bool = True,
     seed: int | None = None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """Update ``param`` (float16), ``exp_avg`` (uint8 codes), ``exp_avg_sq`` (float16) in place.
 
     ``scalars``: float32 tensor of the 7 :data:`SCALARS`; ``consts``: the float32 constants of
     ``fp8sim.backends.base.adam_constants``. Returns the amaxes of the new w, m, v (float32 (3,)).
-    Non-contiguous state is updated through contiguous copies.
+    Non-contiguous state is updated through contiguous copies. ``block``: elements per program.
     """
     fmt = get_format(exp_avg_fmt)
     e_args = cast_args(fmt, rounding, saturate)
@@ -143,7 +144,7 @@ def adam_step(
         raise ValueError(f"adam_step: at most 2**31 - 1 elements per call, got {n}")
     tensors = [param, grad, exp_avg, exp_avg_sq]
     work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    blk = 1024
+    blk = block or (8192 if is_interpreter() else 1024)  # interpreter: fewer programs, faster
     programs = max(triton.cdiv(n, blk), 1)
     partial = torch.zeros((programs, 3), dtype=torch.float32, device=param.device)
     extra = {} if is_interpreter() else {"num_warps": 4, "enable_fp_fusion": False}

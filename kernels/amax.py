@@ -37,12 +37,13 @@ def _amax_kernel(
     tl.store(partial_ptr + pid, tl.where(nan_count > 0, nan, tl.max(mag, axis=0)))
 
 
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """``max |float32(x)|`` as a 0-d float32 tensor on x's device."""
+def amax(x: torch.Tensor, *, block: int | None = None) -> torch.Tensor:
+    """``max |float32(x)|`` as a 0-d float32 tensor on x's device (``block``: elements per
+    program, a power of two; default by device)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     x2 = x if x.dim() == 2 else x.contiguous().reshape(-1, x.shape[-1] if x.dim() else 1)
-    blk = 1024 if is_interpreter() else 4096
+    blk = block or (8192 if is_interpreter() else 4096)
     grid = (triton.cdiv(x2.numel(), blk),)
     partial = torch.empty(grid[0], dtype=torch.float32, device=x.device)
     _amax_kernel[grid](x2, partial, x2.shape[0], x2.shape[1], x2.stride(0), x2.stride(1), BLOCK=blk)

@@ -190,13 +190,15 @@ def block_quantize(
     saturate: bool = True,
     seed: int | None = None,
     srbits: int | None = None,
+    budget: int = 8192,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes, scale_inv, amax, e8m0_codes) of ``x`` with just-in-time per-group scales.
 
     Shapes as ``fp8sim.scaling``: codes like x; scale_inv and amax ``(M, 1)`` for row,
     ``(1, N)`` for col, ``(ceil(M/R), ceil(N/C))`` for blocks, ``(M, ceil(N/32))`` for MX, on
     the 2-D view ``(M, N)`` (last axis, product of the others). ``e8m0_codes``: the MX scales as
-    E8M0 codes (uint8, 0xFF for NaN), None for other granularities.
+    E8M0 codes (uint8, 0xFF for NaN), None for other granularities. ``budget``: elements per
+    program when one-row tiles are stacked (a power of two).
     """
     fmt = get_format(fmt)
     args = cast_args(fmt, rounding, saturate, srbits)
@@ -244,7 +246,6 @@ def block_quantize(
         ss = (grid2d[1], 1)
         tile_r, tile_c = gran.tile(m, n)
     block_c = _pow2_at_least(min(tile_c, cols_))
-    budget = 2048 if is_interpreter() else 8192
     if tile_r == 1:
         block_r = max(1, min(16, budget // block_c))
         block_r = 1 << (block_r.bit_length() - 1)

@@ -79,9 +79,10 @@ def cast_transpose(
     saturate: bool = True,
     seed: int | None = None,
     srbits: int | None = None,
+    block: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, codes_t, amax) of 2-D ``x``: ``codes = encode(float32(x) * scale)``,
-    ``codes_t = codes.T`` (contiguous), ``amax = max |float32(x)|``."""
+    ``codes_t = codes.T`` (contiguous), ``amax = max |float32(x)|``; ``block``: tile side."""
     fmt = get_format(fmt)
     args = cast_args(fmt, rounding, saturate, srbits)
     if x.dim() != 2:
@@ -100,7 +101,7 @@ def cast_transpose(
     scale = scale.to(device=x.device, dtype=torch.float32).contiguous()
     codes = torch.empty((n_rows, n_cols), dtype=code_dtype(fmt), device=x.device)
     codes_t = torch.empty((n_cols, n_rows), dtype=code_dtype(fmt), device=x.device)
-    bm = bn = 32 if is_interpreter() else 64
+    bm = bn = block
     grid = (max(triton.cdiv(n_rows, bm), 1), max(triton.cdiv(n_cols, bn), 1))
     partial = torch.zeros(grid[0] * grid[1], dtype=torch.float32, device=x.device)
     if x.numel():

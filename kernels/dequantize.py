@@ -59,8 +59,11 @@ def dequantize(
     fmt: FloatFormat | str,
     scale_inv: torch.Tensor,
     out_dtype: torch.dtype = torch.float32,
+    *,
+    block: int | None = None,
 ) -> torch.Tensor:
-    """Values of ``codes`` times ``scale_inv`` (float32 tensor: 0-d, (M, 1) or (1, N))."""
+    """Values of ``codes`` times ``scale_inv`` (float32 tensor: 0-d, (M, 1) or (1, N));
+    ``block``: elements per program (a power of two; default by device)."""
     fmt = get_format(fmt)
     args = decode_args(fmt)
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -76,7 +79,7 @@ def dequantize(
         mode = 1
     s = scale_inv.to(device=codes.device, dtype=torch.float32).contiguous()
     out = torch.empty(shape, dtype=out_dtype, device=codes.device)
-    blk = 1024 if is_interpreter() else 2048
+    blk = block or (8192 if is_interpreter() else 2048)
     if c.numel():
         # the same bits as int16 where torch has no uint16 pointer arithmetic on every device
         raw = c.view(torch.int16) if c.element_size() == 2 else c.view(torch.uint8)

@@ -146,7 +146,7 @@ def quantize(
     scale = scale.to(device=x.device, dtype=torch.float32).contiguous()
     codes = torch.empty(shape, dtype=code_dtype(fmt), device=x.device)
     use_native = native and native_supported(fmt, rounding, saturate, x.device)
-    blk = block or (1024 if is_interpreter() else 2048)
+    blk = block or (8192 if is_interpreter() else 2048)  # interpreter: fewer programs
     grid = (max(triton.cdiv(n, blk), 1),)
     partial = torch.empty(grid[0], dtype=torch.float32, device=x.device)
     extra = {} if is_interpreter() else {"num_warps": 8}

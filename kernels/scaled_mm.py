@@ -146,7 +146,7 @@ def scaled_mm(
     dev = a.device
     dot = dot_path(a_fmt, b_fmt, dev, native)
     if blocks is None:
-        blocks = (16, 16, 32) if is_interpreter() else (128, 128, 64 if dot == 2 else 32)
+        blocks = (32, 32, 64) if is_interpreter() else (128, 128, 64 if dot == 2 else 32)
     bm, bn, bk = blocks
     sa = a_scale_inv.to(device=dev, dtype=torch.float32).contiguous()
     sb = b_scale_inv.to(device=dev, dtype=torch.float32).contiguous()

@@ -97,3 +97,41 @@ def test_rounding_carry_into_the_exponent():
     want = fp8sim.encode(x.numpy(), "e4m3")
     assert torch.equal(codes, torch.from_numpy(want))
     assert fp8sim.decode(codes.numpy(), "e4m3")[0] == 8.0
+
+
+def test_many_programs_and_ragged_tails():
+    """Small blocks: partial amaxes of many programs reduce right, ragged last blocks mask."""
+    from kernels.adam import adam_step as adam_kernel
+    from kernels.amax import amax
+    from kernels.block_quantize import block_quantize
+    from kernels.cast_transpose import cast_transpose
+    from fp8sim.scaling import quantize_scaled
+
+    x = torch.from_numpy(random_values(257 * 31, seed=21, spread=8.0)).reshape(257, 31)
+    x[200, 30] = -1e6  # the max sits in the last, ragged program
+    want = fp8sim.encode(x.numpy() * np.float32(2.0), "e4m3", rounding="stochastic", seed=5)
+    codes, a = quantize(x, "e4m3", torch.tensor(2.0), rounding="stochastic", seed=5, block=128)
+    assert torch.equal(codes, torch.from_numpy(want)) and float(a) == 1e6
+    assert float(amax(x[:, ::2], block=64)) == float(np.abs(x.numpy()[:, ::2]).max())
+    c, ct, a = cast_transpose(x, "e4m3", torch.tensor(2.0), rounding="stochastic", seed=5, block=16)
+    assert torch.equal(c, torch.from_numpy(want)) and torch.equal(ct, c.t()) and float(a) == 1e6
+    vals = dequantize(codes, "e4m3", torch.tensor(0.5), block=256)
+    assert torch.equal(vals, torch.from_numpy(fp8sim.decode(want, "e4m3") * np.float32(0.5)))
+    st = quantize_scaled(x.numpy(), "e4m3", "mx")
+    c, s, _, _ = block_quantize(x, "e4m3", "mx", budget=64)  # 2 rows per program
+    assert torch.equal(c, torch.from_numpy(st.codes)) and torch.equal(s, torch.from_numpy(st.scale_inv))
+    # Adam with 128-element programs against the emulator backend's recipe
+    rng = np.random.default_rng(2)
+    p = torch.from_numpy((rng.standard_normal(1000) * 30).astype(np.float16))
+    m = torch.from_numpy(rng.integers(0, 0x7E, 1000, dtype=np.uint8))
+    v = torch.from_numpy((rng.random(1000) * 0.1).astype(np.float16))
+    g = torch.from_numpy(rng.standard_normal(1000).astype(np.float32))
+    ref = [t.clone() for t in (p, m, v)]
+    want_res = get("emulator").adam_step(ref[0], 1 / 1024, g, ref[1], 1 / 16, ref[2], step=2, lr=0.01)
+    from fp8sim.backends.base import adam_constants
+    scal = torch.tensor([1 / 1024, 1 / 16, 1.0, 1.0, 1024.0, 16.0, 1.0])
+    got_amax = adam_kernel(p, g, m, v, scal, adam_constants(2, 0.01, 0.9, 0.999, 1e-8, 0.0), block=128)
+    assert torch.equal(p.view(torch.int16), ref[0].view(torch.int16))
+    assert torch.equal(m, ref[1]) and torch.equal(v.view(torch.int16), ref[2].view(torch.int16))
+    assert torch.equal(got_amax, torch.stack([want_res.param_amax, want_res.exp_avg_amax,
+                                              want_res.exp_avg_sq_amax]))
