@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "fp8sim.commands.policies",  # policies
     "fp8sim.training.commands",  # train, compare
     "analysis.commands",  # analyze, replay
+    "analysis.demo",  # demo
 ]
 
 
