@@ -411,6 +411,28 @@ class AbsHistogram:
         b, _ = self._value_bin(thr.underflow_at / float(np.float32(scale)))
         return self._count_below(b), self._count_below(b + 1)
 
+    def count_scaled_above(
+        self, threshold: float, scale: float, *, inclusive: bool = False
+    ) -> tuple[int, int]:
+        """(lower, upper) bound of the number of values with ``|x| * scale > threshold``
+        (``>=`` if ``inclusive``). Exact (equal bounds) when ``threshold / scale`` is a bin edge,
+        i.e. a power-of-two ``scale`` and a threshold with at most k mantissa bits; otherwise the
+        bin holding ``threshold / scale`` is the uncertainty (and the float32 rounding of the
+        product, within that bin)."""
+        s = float(np.float32(scale))
+        if not (s > 0 and threshold > 0):
+            return (self.nonzero, self.nonzero) if threshold <= 0 < s else (0, 0)
+        t = float(threshold) / s
+        if t == math.inf:
+            return 0, 0
+        if t == 0.0:
+            return self.nonzero, self.nonzero
+        b, exact = self._value_bin(t)
+        if exact:  # b is the exact bin of t: values == t are exactly its count
+            n = self.nonzero - self._count_below(b if inclusive else b + 1)
+            return n, n
+        return self.nonzero - self._count_below(b + 1), self.nonzero - self._count_below(b)
+
     def binades(self) -> tuple[np.ndarray, np.ndarray]:
         """(exponents e, counts) of values with ``floor(log2 float32(|x|)) == e``, e ascending.
 

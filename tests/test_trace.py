@@ -306,3 +306,20 @@ def test_recorded_counts_match_quantize_scaled_for_float64(tmp_path):
     # saturating cast: overflowed values land on max; the reference rounding separates them
     assert (rec.overflow, rec.underflow) == ref_counts(x.astype(np.float32), scale, "e4m3")
     assert rec.overflow == int((np.abs(x.astype(np.float32) * np.float32(scale)) > 464).sum())
+
+
+def test_count_scaled_above(data):
+    x, h = data
+    a = np.abs(x[np.isfinite(x) & (x != 0)]).astype(np.float64)
+    rng = np.random.default_rng(6)
+    for t in (432.0, 464.0, 2.0**-10, 57344.0, 1.0):
+        for j in range(-6, 7, 3):
+            for inclusive in (False, True):
+                s = 2.0**j
+                p = a * s  # exact: power-of-two scale
+                want = int(((p >= t) if inclusive else (p > t)).sum())
+                assert h.count_scaled_above(t, s, inclusive=inclusive) == (want, want)
+        for s in np.exp2(rng.uniform(-6, 6, 5)):
+            p = (a.astype(np.float32) * np.float32(s)).astype(np.float64)
+            lo, hi = h.count_scaled_above(t, s)
+            assert lo <= int((p > t).sum()) <= hi
