@@ -1,0 +1,129 @@
+"""Triton kernel speed on a GPU, as ratios against the hardware's yardsticks, in one process.
+
+    python benchmarks/bench_kernels.py [--log2n 28] [--sizes 4096 8192] [--json]
+
+Rows:
+* quantize + fused amax (bfloat16 -> e4m3, per-tensor scale): software cast and native cast,
+  as achieved bandwidth (bytes read + written per second) and as a share of a device-to-device
+  copy of the same input (bytes read + written; the bandwidth limit). Target: >= 85% native.
+* scaled GEMM at M = N = K in ``--sizes``: TFLOP/s of the Triton kernel (native fp8 dot) against
+  ``torch._scaled_mm`` (cuBLASLt) and a bfloat16 ``torch.matmul``. Target: >= 0.9x _scaled_mm.
+Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs).
+
+Without a CUDA GPU (or with TRITON_INTERPRET=1) there is nothing to measure: the script says so
+on stderr and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _no_gpu_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set: the kernels would run in the CPU interpreter"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def bench_quantize(log2n: int) -> list[dict]:
+    import torch
+    from triton.testing import do_bench
+
+    from kernels.quantize import quantize
+
+    n = 1 << log2n
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 100
+    scale = torch.tensor(2.0, device="cuda")
+    dst = torch.empty_like(x)
+    t_copy = do_bench(lambda: dst.copy_(x), return_mode="median")
+    copy_bw = 2 * x.numel() * x.element_size() / (t_copy * 1e-3)
+    rows = [{"op": "device copy (bf16)", "ms": t_copy, "GB/s": copy_bw / 1e9, "of_copy": 1.0}]
+    moved = x.numel() * x.element_size() + x.numel() * 1  # read bf16, write one byte per element
+    for native in (False, True):
+        t = do_bench(lambda: quantize(x, "e4m3", scale, native=native), return_mode="median")
+        bw = moved / (t * 1e-3)
+        rows.append({"op": f"quantize+amax e4m3 ({'native' if native else 'software'} cast)",
+                     "ms": t, "GB/s": bw / 1e9, "of_copy": bw / copy_bw})
+    return rows
+
+
+def bench_gemm(size: int) -> list[dict]:
+    import torch
+    from triton.testing import do_bench
+
+    from kernels.scaled_mm import scaled_mm
+
+    m = n = k = size
+    a = (torch.randn(m, k, device="cuda") * 10).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, device="cuda") * 10).to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0, device="cuda")
+    flops = 2.0 * m * n * k
+    rows = []
+    fns = {
+        "triton scaled_mm (fp8 dot)": lambda: scaled_mm(a.view(torch.uint8), "e4m3", one,
+                                                        b.view(torch.uint8).t(), "e4m3", one,
+                                                        out_dtype=torch.bfloat16),
+        "torch._scaled_mm": lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                                     out_dtype=torch.bfloat16),
+        "bf16 matmul": (lambda ab=a.to(torch.bfloat16), bb=b.to(torch.bfloat16).t(): ab @ bb),
+    }
+    for name, fn in fns.items():
+        try:
+            t = do_bench(fn, return_mode="median")
+            rows.append({"op": f"{name} {size}^3", "ms": t, "TFLOP/s": flops / (t * 1e-3) / 1e12})
+        except Exception as exc:  # report what failed, keep measuring the rest
+            rows.append({"op": f"{name} {size}^3", "error": f"{type(exc).__name__}: {exc}"[:200]})
+    ref = next((r for r in rows if r["op"].startswith("torch._scaled_mm") and "ms" in r), None)
+    for r in rows:
+        if ref and "ms" in r:
+            r["vs_scaled_mm"] = ref["ms"] / r["ms"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--log2n", type=int, default=28, help="quantize: 2**log2n elements")
+    ap.add_argument("--sizes", type=int, nargs="*", default=[4096, 8192], help="GEMM M=N=K")
+    ap.add_argument("--json", action="store_true", help="print rows as JSON")
+    args = ap.parse_args(argv)
+    reason = _no_gpu_reason()
+    if reason:
+        print(f"bench_kernels: nothing measured ({reason}); run on a CUDA GPU", file=sys.stderr)
+        return 0
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rows = bench_quantize(args.log2n)
+    for size in args.sizes:
+        rows += bench_gemm(size)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.json:
+        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        return 0
+    print(f"# {meta['device']}, torch {meta['torch']}")
+    print(f"{'op':48s} {'ms':>9s} {'GB/s':>8s} {'TFLOP/s':>8s} {'ratio':>7s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['op']:48s} error: {r['error']}")
+            continue
+        ratio = r.get("of_copy", r.get("vs_scaled_mm", float("nan")))
+        print(f"{r['op']:48s} {r['ms']:9.3f} {r.get('GB/s', float('nan')):8.1f} "
+              f"{r.get('TFLOP/s', float('nan')):8.1f} {ratio:7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
