@@ -1,0 +1,173 @@
+"""fp8sim analyze / replay through cli.main: tables, --json fields, --plot PNGs, --fail-on exit
+codes, bad files (exit 2, named), --keep-going, notes for empty and integer tensors; report
+rules (classes, --fail-on parsing)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import cli
+from analysis.report import Thresholds, classify, parse_fail_on
+from fp8sim.trace import TraceWriter
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture()
+def dumps(tmp_path):
+    d = tmp_path / "dumps"
+    d.mkdir()
+    rng = np.random.default_rng(1)
+    hot = np.linspace(-1, 1, 256, dtype=np.float32)
+    hot[7] = 1000.0  # beyond e4m3's 464: one overflow with no scaling (hand computation)
+    save_file({"hot": hot, "ids": np.arange(4, dtype=np.int64), "empty": np.zeros((0, 3), np.float32)},
+              str(d / "a.safetensors"))  # fmt: skip
+    np.save(d / "tiny.npy", (rng.standard_normal(300) * 1e-4).astype(np.float32))
+    return d
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_analyze_json_fields_and_values(dumps, tmp_path, capsys):
+    js = tmp_path / "r.json"
+    rc, out, err = run(capsys, "analyze", str(dumps), "--format", "e4m3,e5m2", "--scaling", "none,tensor",
+                       "--json", str(js))  # fmt: skip
+    assert rc == 0, err
+    doc = json.loads(js.read_text())
+    recs = doc["records"]
+    assert len(recs) == 2 * 2 * 2  # tensors (hot, tiny) x formats x scalings
+    need = {"name", "shape", "dtype", "numel", "format", "scaling", "amax", "scale", "overflow",
+            "underflow", "subnormal", "nan", "inf", "sqnr_db", "rel_mse"}  # fmt: skip
+    assert all(need <= set(r) for r in recs)
+    hot = {(r["format"], r["scaling"]): r for r in recs if r["name"] == "hot"}
+    assert hot["e4m3", "none"]["overflow"] == 1 and hot["e4m3", "none"]["status"] == "critical"
+    assert hot["e5m2", "none"]["overflow"] == 0  # 1000 < 57344
+    assert hot["e4m3", "tensor"]["scale"] == pytest.approx(448 / 1000, rel=1e-7)
+    assert hot["e4m3", "none"]["shape"] == [256] and hot["e4m3", "none"]["dtype"] == "float32"
+    tiny = [r for r in recs if r["name"] == "tiny" and r["scaling"] == "none" and r["format"] == "e4m3"][0]
+    assert tiny["underflow"] > 0  # 1e-4 values below e4m3's 2**-10 with no scaling
+    notes = {n["name"]: n["note"] for n in doc["notes"]}
+    assert "empty tensor" in notes["empty"] and "int64" in notes["ids"]
+    assert doc["errors"] == [] and doc["summary"]["critical"] >= 1
+    # the table went to stdout, worst first; no progress bar when not a terminal
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["status", "tensor", "format"]
+    assert lines[2].startswith("critical") and "hot" in lines[2]
+    assert "elem/s" not in err and "\r" not in err
+
+
+def test_fail_on_exit_codes(dumps, capsys):
+    assert run(capsys, "analyze", str(dumps), "--scaling", "none", "--fail-on", "overflow>0")[0] == 1
+    assert run(capsys, "analyze", str(dumps), "--scaling", "tensor", "--fail-on", "overflow>0")[0] == 0
+    rc, _, err = run(capsys, "analyze", str(dumps), "--scaling", "none", "--fail-on", "underflow>50%")
+    assert rc == 1 and "underflow>50%" in err  # tiny: all of it underflows unscaled
+    rc, _, err = run(capsys, "analyze", str(dumps), "--fail-on", "speed>3")
+    assert rc == 2 and "--fail-on rule" in err
+    rc, _, err = run(capsys, "analyze", str(dumps), "--format", "e9m9")
+    assert rc == 2 and err.count("\n") == 1
+
+
+def test_bad_files_exit_2_and_keep_going(dumps, tmp_path, capsys):
+    raw = (dumps / "a.safetensors").read_bytes()
+    (dumps / "b_cut.safetensors").write_bytes(raw[:-40])
+    rc, out, err = run(capsys, "analyze", str(dumps))
+    assert rc == 2 and "b_cut.safetensors" in err and "truncated" in err and err.count("\n") == 1
+    js = tmp_path / "k.json"
+    rc, out, err = run(capsys, "analyze", str(dumps), "--keep-going", "--json", str(js))
+    assert rc == 2
+    doc = json.loads(js.read_text())
+    assert {r["name"] for r in doc["records"]} == {"hot", "tiny"}  # the others still analyzed
+    assert len(doc["errors"]) == 1 and "b_cut.safetensors" in doc["errors"][0]["file"]
+    assert "bad files (1)" in err
+    rc, _, err = run(capsys, "analyze", str(tmp_path / "nope.pt"))
+    assert rc == 2 and "nope.pt" in err
+
+
+def test_plots_and_json_to_stdout(dumps, tmp_path, capsys):
+    plots = tmp_path / "plots"
+    rc, out, err = run(capsys, "analyze", str(dumps / "a.safetensors"), "--plot", str(plots),
+                       "--json", "-")  # fmt: skip
+    assert rc == 0
+    doc = json.loads(out)  # stdout holds only the JSON
+    assert {r["name"] for r in doc["records"]} == {"hot"}
+    pngs = sorted(plots.glob("*.png"))
+    assert [p.name for p in pngs] == ["0000_hot.png"] and pngs[0].read_bytes()[:8] == PNG
+
+
+@pytest.fixture()
+def trace(tmp_path):
+    rng = np.random.default_rng(2)
+    path = tmp_path / "trace"
+    with TraceWriter(path, {"run": "t"}, chunk_steps=4) as tw:
+        tw.add_tensor("a", "activation", "e4m3", (16, 16))
+        tw.add_tensor("g", "grad_output", "e5m2", (16, 16))
+        for s in range(9):
+            tw.record(s, "a", (rng.standard_normal((16, 16)) * 2.0**s).astype(np.float32), scale=1.0)
+            tw.record(s, "g", (rng.standard_normal((16, 16)) * 1e-7).astype(np.float32), scale=1.0)
+        tw.save_tensor(3, "a", rng.standard_normal((16, 16)).astype(np.float32))
+    return path
+
+
+def test_analyze_trace(trace, tmp_path, capsys):
+    plots = tmp_path / "p"
+    js = tmp_path / "t.json"
+    rc, out, err = run(capsys, "analyze", str(trace), "--plot", str(plots), "--json", str(js))
+    assert rc == 0, err
+    doc = json.loads(js.read_text())
+    assert [r["name"] for r in doc["records"]][:1] == ["a@step3"]
+    (t,) = doc["traces"]
+    rows = {r["name"]: r for r in t["tensors"]}
+    assert rows["a"]["overflow"] > 0 and rows["a"]["status"] == "critical"  # 2**8 * randn > 464
+    assert rows["g"]["underflow_pct"] > 50
+    names = sorted(p.name for p in plots.glob("*.png"))
+    assert "0000_trace_trace_underflow.png" in names and "0000_trace_trace_overflow.png" in names
+    assert "trace " in out
+
+
+def test_replay_cli(trace, tmp_path, capsys):
+    js = tmp_path / "r.json"
+    plots = tmp_path / "rp"
+    rc, out, err = run(capsys, "replay", str(trace), "--policy", "delayed:history=4,margin=1",
+                       "--policy", "current:pow2", "--json", str(js), "--plot", str(plots))  # fmt: skip
+    assert rc == 0, err
+    doc = json.loads(js.read_text())
+    pols = [p["policy"] for p in doc["policies"]]
+    assert pols[0] == "recorded" and pols[1].startswith("delayed") and pols[2].startswith("current")
+    cur = doc["records"][pols[2]]
+    assert len(cur) == 18 and all(r["exact"] for r in cur)
+    assert all(r["overflow"] == [0, 0] for r in cur)
+    assert doc["policies"][0]["events"] > 0  # scale 1 under growing activations
+    assert {"events", "worst_tensor", "worst_step", "median_underflow_pct", "worst_underflow_pct"} <= set(doc["policies"][1])
+    assert (plots / "policies.png").read_bytes()[:8] == PNG
+    assert len(list(plots.glob("*_share.png"))) == 6
+    assert out.splitlines()[0].startswith("policy")
+    rc, _, err = run(capsys, "replay", str(tmp_path), "--policy", "current")
+    assert rc == 2 and "not an fp8sim trace" in err
+    rc, _, err = run(capsys, "replay", str(trace), "--policy", "mx")
+    assert rc == 2 and "per-block" in err
+
+
+def test_classify_and_rules():
+    base = {"overflow": 0, "underflow_pct": 0.0, "nan": 0, "inf": 0, "lost": 0}
+    assert classify(base) == "ok"
+    assert classify(base | {"underflow_pct": 0.5}) == "warning"
+    assert classify(base | {"underflow_pct": 2.0}) == "critical"
+    assert classify(base | {"overflow": 1}) == "critical"
+    assert classify(base | {"nan": 3}) == "warning"
+    assert classify(base | {"underflow_pct": 1.0}, Thresholds(2.0, 5.0)) == "ok"
+    r1, r2, r3 = parse_fail_on("overflow>0, underflow>=1%,sqnr_db<20")
+    rec = {"overflow": 0, "overflow_pct": 0.0, "underflow": 5, "underflow_pct": 1.0, "sqnr_db": None}
+    assert not r1.crossed(rec) and r2.crossed(rec) and not r3.crossed(rec)  # None: no error
+    assert r3.crossed(rec | {"sqnr_db": 12.0})
+    with pytest.raises(ValueError, match="no share"):
+        parse_fail_on("nan>1%")
+    with pytest.raises(ValueError):
+        parse_fail_on("")
