@@ -12,7 +12,7 @@ from fp8sim.policies import parse_policy
 from fp8sim.scaling import scale_from_amax
 from fp8sim.trace import TraceWriter
 
-STEPS = 12
+STEPS = 8
 
 
 def truth(x: np.ndarray, fmt: str, scale: float) -> tuple[int, int, bool]:
