@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import zipfile
 
 import ml_dtypes
 import numpy as np
