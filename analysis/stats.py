@@ -383,7 +383,7 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, counts, err2):
             max_bits = np.uint32(vint[v, 5])
             minnorm_bits = np.uint32(vint[v, 6])
             csub = np.float32(vflt[v, 0])
-            row_base = vint[v, 3] + (r // R) * Gc
+            row_base = vint[v, 3] + (r // R - vint[v, 7]) * Gc
             cc = c
             while cc < c + seg:
                 t = cc // C
@@ -416,8 +416,9 @@ def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts):
     """Every variant's figures over one chunk (one pass; parts on threads).
 
     vint[v] = (R, C, Gc, scale offset, shift = 23 - mantissa bits, float32 bits of fmt.max,
-    float32 bits of fmt.min_normal); vflt[v] = (2**(emin - m + 23), fmt.max, fmt.min_normal).
-    scales / sinvs: every variant's full scale grid, flat (float32). Returns per part:
+    float32 bits of fmt.min_normal, first grid row of the chunk); vflt[v] = (2**(emin - m + 23),
+    fmt.max, fmt.min_normal). scales / sinvs: each variant's scale grid rows that the chunk
+    touches, flat (float32), variant v's from offset vint[v, 3]. Returns per part:
     counts (P, V, 4) = overflow, underflow, subnormal, lost; err2 (P, V) = sum (deq - x)^2.
     """
     nv = vint.shape[0]
@@ -571,7 +572,7 @@ def tensor_stats(
         r, c = g.tile(m, n)
         g_tiles.append((r, c, -(-n // c), -(-m // r)))
     g_amax = [np.zeros(gr * gc, np.uint32) for (_, _, gc, gr) in g_tiles]  # float32 bits
-    g_nan = [np.zeros(gr * gc, np.int64) for (_, _, gc, gr) in g_tiles]
+    g_nan = [np.zeros(gr * gc, bool) for (_, _, gc, gr) in g_tiles]  # group holds a NaN
 
     # ---- pass A ----
     counts = np.zeros(3, np.int64)
@@ -607,64 +608,78 @@ def tensor_stats(
             lo = int(gran[j, 3]) * int(gran[j, 2])
             tgt = slice(lo, lo + (b - a))
             g_amax[k][tgt] = np.maximum(g_amax[k][tgt], gam[:, a:b].max(axis=0))
-            g_nan[k][tgt] += gnn[:, a:b].sum(axis=0)
+            g_nan[k][tgt] |= gnn[:, a:b].sum(axis=0) > 0
         if progress is not None:
             progress(xc.size)
     res.nan, res.inf, res.zero = (int(v) for v in counts)
     res.amax = float(np.array([amax_bits], np.uint32).view(np.float32)[0])
     res.sig2, res.log2_counts = sig2, log2
 
-    # ---- scales, with the scaling module's own rules ----
-    vint = np.zeros((len(variants), 7), np.int64)
+    # ---- pass B, with each chunk's scales from the scaling module's own rules ----
+    # (scales are made per chunk, for the grid rows the chunk touches: an MX scale grid of a
+    # 4 GB tensor is never held whole)
+    vint = np.zeros((len(variants), 8), np.int64)
     vflt = np.zeros((len(variants), 3), np.float64)
-    scale_parts, sinv_parts = [], []
-    off = 0
+    shapes = []
     for k, v in enumerate(variants):
         fmt = v.fmt
         if v.scaling == "none":
-            r, c, gc = m, n, 1
-            mult = np.ones(1, np.float32)
+            r, c, gc, gi = m, n, 1, -1
         else:
             gi = grans.index(v.granularity)
             r, c, gc, _ = g_tiles[gi]
-            gam = g_amax[gi].view(np.float32)
-            if v.granularity.kind == "mx":
-                a = np.where(g_nan[gi] > 0, np.float32(np.nan), gam).astype(np.float32)
-                sinv = mx_shared_scale(a, fmt, v.granularity.mx_rule)
-                with np.errstate(invalid="ignore"):
-                    mult = (np.float32(1) / sinv).astype(np.float32)
-            else:
-                mult = scale_from_amax(gam, fmt, margin=v.margin, pow2=v.pow2).reshape(-1)
-        if v.scaling == "none" or v.granularity.kind != "mx":
-            sinv = (np.float32(1) / mult).astype(np.float32)
-        scale_parts.append(mult.reshape(-1))
-        sinv_parts.append(np.asarray(sinv, np.float32).reshape(-1))
+        shapes.append((r, gc, gi))
         mb = fmt.mantissa_bits
-        vint[k] = (
-            r, c, gc, off, 23 - mb,
+        vint[k, :7] = (
+            r, c, gc, 0, 23 - mb,
             int(np.float32(fmt.max).view(np.uint32)),
             int(np.float32(fmt.min_normal).view(np.uint32)),
         )  # fmt: skip
         vflt[k] = (2.0 ** (fmt.emin - mb + 23), fmt.max, fmt.min_normal)
-        off += mult.size
-    scales = np.concatenate(scale_parts) if scale_parts else np.zeros(0, np.float32)
-    sinvs = np.concatenate(sinv_parts) if sinv_parts else np.zeros(0, np.float32)
 
-    # ---- pass B ----
+    def chunk_scales(v: Variant, gi: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(multipliers, scale_inv) of grid entries [lo, hi) of variant v (float32)."""
+        if gi < 0:
+            return np.ones(1, np.float32), np.ones(1, np.float32)
+        gam = g_amax[gi][lo:hi].view(np.float32)
+        if v.granularity.kind == "mx":
+            a = np.where(g_nan[gi][lo:hi], np.float32(np.nan), gam).astype(np.float32)
+            sinv = mx_shared_scale(a, v.fmt, v.granularity.mx_rule)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                return (np.float32(1) / sinv).astype(np.float32), sinv
+        mult = scale_from_amax(gam, v.fmt, margin=v.margin, pow2=v.pow2).reshape(-1)
+        return mult, (np.float32(1) / mult).astype(np.float32)
+
     vcounts = np.zeros((len(variants), 4), np.int64)
     verr = np.zeros(len(variants), np.float64)
-    if variants:
-        for start in range(0, numel, chunk):
-            xc = read(start, min(numel, start + chunk))
-            cnt, e2 = _pass_b(xc, start, n, vint, vflt, scales, sinvs, _parts(xc.size))
-            vcounts += cnt.sum(axis=0)
-            verr += e2.sum(axis=0)
-            if progress is not None:
-                progress(xc.size)
+    smin = np.full(len(variants), np.inf)
+    smax = np.full(len(variants), -np.inf)
+    for start in range(0, numel if variants else 0, chunk):
+        xc = read(start, min(numel, start + chunk))
+        first_row, last_row = start // n, (start + xc.size - 1) // n
+        sc_parts, si_parts = [], []
+        off = 0
+        for k, v in enumerate(variants):
+            r, gc, gi = shapes[k]
+            lo, hi = first_row // r, last_row // r
+            mult, sinv = chunk_scales(v, gi, lo * gc, (hi + 1) * gc)
+            sc_parts.append(mult)
+            si_parts.append(np.asarray(sinv, np.float32).reshape(-1))
+            vint[k, 3] = off
+            vint[k, 7] = lo
+            off += mult.size
+            fin = mult[np.isfinite(mult)]
+            if fin.size:
+                smin[k] = min(smin[k], float(fin.min()))
+                smax[k] = max(smax[k], float(fin.max()))
+        cnt, e2 = _pass_b(xc, start, n, vint, vflt, np.concatenate(sc_parts),
+                          np.concatenate(si_parts), _parts(xc.size))  # fmt: skip
+        vcounts += cnt.sum(axis=0)
+        verr += e2.sum(axis=0)
+        if progress is not None:
+            progress(xc.size)
 
     for k, v in enumerate(variants):
-        mult = scale_parts[k]
-        fin = mult[np.isfinite(mult)]
         e2 = float(verr[k])
         if e2 == 0.0:
             sqnr, rel = math.inf, 0.0
@@ -675,8 +690,8 @@ def tensor_stats(
             VariantStats(
                 format=v.fmt.name,
                 scaling=v.scaling,
-                scale=float(fin.min()) if fin.size else math.nan,
-                scale_max=float(fin.max()) if fin.size else math.nan,
+                scale=float(smin[k]) if smax[k] >= smin[k] else math.nan,
+                scale_max=float(smax[k]) if smax[k] >= smin[k] else math.nan,
                 overflow=int(vcounts[k, 0]),
                 underflow=int(vcounts[k, 1]),
                 subnormal=int(vcounts[k, 2]),
