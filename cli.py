@@ -33,8 +33,15 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line, exit code 2."""
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (what, and where to look) + exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="fp8sim",
         description="Bit-exact FP8 emulation, analysis, policy replay and FP8 training.",
     )
@@ -50,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError, NotImplementedError, UsageError) as exc:
+    except (ValueError, TypeError, ArithmeticError, OSError, NotImplementedError,
+            UsageError) as exc:
         if os.environ.get("FP8SIM_DEBUG") == "1":
             raise
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

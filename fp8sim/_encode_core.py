@@ -43,6 +43,7 @@ __all__ = [
     "encode_value",
     "encode_f32_kernel",
     "encode_f64_kernel",
+    "encode_fast_kernel",
     "decode_kernel",
 ]
 

@@ -17,7 +17,8 @@ Semantics (the contract in DESIGN.md):
   an overflow or inf unless ``saturate=True``; the message gives the count and first index.
 * Stochastic rounding uses ``srbits=k`` (1..32, default 32) random bits per element: the top
   ``k`` bits of ``rbits`` (uint32, one per element) or of Philox4x32-10 keyed by ``seed`` with
-  counter = flat C-order element index -- the stream of ``tl.randint(seed, offsets)``.
+  counter = flat C-order element index -- the stream of ``tl.randint(seed, offsets)`` with
+  int32 offsets (the counter wraps modulo 2**32: tensors past 4G elements repeat draws).
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ def _decode_code(fmt: FloatFormat, code: int) -> float:
 def _decode_table_cached(fmt: FloatFormat, dtype_name: str) -> np.ndarray:
     table = np.array([_decode_code(fmt, c) for c in range(fmt.num_codes)], dtype=np.float64)
     out = table.astype(np.dtype(dtype_name))
-    # every code is exact in float32 (<= 16-bit formats) -- check rather than assume
-    if dtype_name == "float32":
-        finite = np.isfinite(table)
-        assert np.array_equal(out[finite].astype(np.float64), table[finite])
+    # every code is exact in float32 (<= 8 exponent bits, <= 16 bits) -- check, never assume
+    finite = np.isfinite(table)
+    if not np.array_equal(out[finite].astype(np.float64), table[finite]):
+        raise ValueError(f"{fmt.name}: some values are not exact in {dtype_name}")
     out.setflags(write=False)
     return out
 
@@ -137,6 +138,8 @@ def as_float_array(x: Any, what: str = "x") -> tuple[np.ndarray, bool]:
         arr = t.contiguous().numpy()
     else:
         arr = np.asarray(x)
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))  # same values, native byte order
     dt = arr.dtype
     if dt.name == "bfloat16":
         bits = np.ascontiguousarray(arr).view(np.uint16)
@@ -168,8 +171,8 @@ def _stochastic_inputs(
         raise ValueError(f"srbits must be an int in 1..32, got {srbits!r}")
     empty = np.zeros(0, dtype=np.uint32)
     if rounding != "stochastic":
-        if rbits is not None or seed is not None:
-            raise ValueError(f"rbits/seed are for rounding='stochastic', not {rounding!r}")
+        if rbits is not None or seed is not None or srbits is not None:
+            raise ValueError(f"rbits/srbits/seed are for rounding='stochastic', not {rounding!r}")
         return empty, False, 0, 0, int(k)
     if (rbits is None) == (seed is None):
         raise ValueError("stochastic rounding needs exactly one of rbits= or seed=")
@@ -177,6 +180,8 @@ def _stochastic_inputs(
         if _is_torch(rbits):
             rbits = rbits.detach().cpu().numpy()
         rb = np.asarray(rbits)
+        if not rb.dtype.isnative:
+            rb = rb.astype(rb.dtype.newbyteorder("="))
         if rb.dtype not in (np.uint32, np.int32):
             raise TypeError(f"rbits must be uint32 (one word per element), got {rb.dtype}")
         if rb.shape != shape:
@@ -207,14 +212,7 @@ def _raise_status(status: np.ndarray, fmt: FloatFormat, shape: tuple) -> None:
 def _fast_path_ok(fmt: FloatFormat, dtype: np.dtype) -> bool:
     """Whether the branch-free kernel applies (see ``_encode_core.encode_fast_kernel``)."""
     emin_floor = -126 if dtype == np.float32 else -1022
-    return (
-        fmt.signed and fmt.has_subnormals and fmt.has_nan and fmt.emin >= emin_floor
-        and _USE_FAST_PATH
-    )
-
-
-#: tests flip this to run the general kernel on the same inputs
-_USE_FAST_PATH = True
+    return fmt.signed and fmt.has_subnormals and fmt.has_nan and fmt.emin >= emin_floor
 
 
 def _encode_numpy(
@@ -225,7 +223,12 @@ def _encode_numpy(
     rbits: Any,
     srbits: int | None,
     seed: int | None,
+    allow_fast: bool = True,
 ) -> np.ndarray:
+    """Encode a float32/float64 array. ``allow_fast=False`` forces the general kernels (the
+    tests run both kernels on the same inputs)."""
+    if not isinstance(saturate, (bool, np.bool_)):
+        raise TypeError(f"saturate must be True or False, got {saturate!r}")
     mode = _check_rounding(rounding)
     shape = arr.shape
     flat = np.ascontiguousarray(arr).reshape(-1)
@@ -233,7 +236,7 @@ def _encode_numpy(
     out = np.empty(flat.size, dtype=fmt.code_dtype)
     status = np.zeros(flat.size if fmt.nan == "none" else 0, dtype=np.uint8)
     params = format_params(fmt)
-    if _fast_path_ok(fmt, flat.dtype):
+    if allow_fast and _fast_path_ok(fmt, flat.dtype):
         over = fmt.inf_code if fmt.has_inf else fmt.nan_code
         if flat.dtype == np.float32:
             bits, p, emax_in, bias_in = flat.view(np.uint32), 23, 0xFF, 127
@@ -307,10 +310,15 @@ def decode(codes: Any, fmt: FloatFormat | str, *, dtype: Any = np.float32) -> An
         arr = np.asarray(codes)
         if arr.dtype.kind not in "ui":
             raise TypeError(f"codes must be an unsigned integer array, got dtype {arr.dtype}")
+        if not arr.dtype.isnative:
+            arr = arr.astype(arr.dtype.newbyteorder("="))
         if arr.dtype.kind == "i":
+            if arr.size and int(arr.min()) < 0 and arr.dtype.itemsize > 2:
+                i = int(np.argmax(arr.reshape(-1) < 0))
+                raise ValueError(f"code {int(arr.reshape(-1)[i])} at flat index {i} is negative")
             arr = arr.view(np.dtype(f"u{arr.dtype.itemsize}"))
     if arr.dtype.itemsize > 2:
-        arr = arr.astype(np.uint32)
+        arr = arr.astype(np.uint64)
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise TypeError(f"decode dtype must be float32 or float64, got {dtype}")

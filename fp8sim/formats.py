@@ -267,10 +267,11 @@ def get_format(name: str | FloatFormat) -> FloatFormat:
     match = _GENERIC.match(key)
     if match:
         e, m = int(match.group(1)), int(match.group(2))
-        if e < 2 or m < 1 or 1 + e + m > 16:
+        if e < 2 or e > 8 or m < 1 or 1 + e + m > 16:
             raise ValueError(
-                f"generic format {name!r}: need exponent bits >= 2, mantissa bits >= 1 and "
-                f"at most 16 bits in all (1 + {e} + {m} = {1 + e + m})"
+                f"generic format {name!r}: need 2..8 exponent bits (so every value is exact in "
+                f"float32), mantissa bits >= 1 and at most 16 bits in all "
+                f"(1 + {e} + {m} = {1 + e + m})"
             )
         return _ieee(key, e, m)
     valid = ", ".join(list(FORMATS) + sorted(_ALIASES))

@@ -36,7 +36,7 @@ import numba
 import numpy as np
 
 from fp8sim._jit import jit_kernel, jit_scalar
-from fp8sim.emulator import decode_table
+from fp8sim.emulator import decode
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import Granularity, ScaledTensor, parse_granularity
 
@@ -231,8 +231,9 @@ def scaled_gemm(
         bounds.update(range(0, k, step))
     seg = np.array(sorted(bounds), dtype=np.int64) if k else np.zeros(1, np.int64)
 
-    av = decode_table(a_fmt, np.float64)[a.astype(np.int64)]
-    bv = decode_table(b_fmt, np.float64)[b.astype(np.int64)]
+    # decode() checks the code range (one clear error) and is exact in float64
+    av = decode(a, a_fmt, dtype=np.float64)
+    bv = decode(b, b_fmt, dtype=np.float64)
     out = np.empty((m, n), dtype=np.float32)
     native32 = acc_bits == 23 and acc_rounding == "rne"
     _gemm_kernel(

@@ -173,11 +173,12 @@ class ScalingPolicy:
     ) -> ScaledTensor:
         """amax -> :meth:`scale_for` -> :func:`~fp8sim.scaling.quantize_scaled` -> :meth:`observe`.
 
-        ``cast``: ``rounding``, ``saturate``, ``seed``, ``srbits``. The tensor amax is
-        NaN-propagating; ``observe`` gets ``numel``, ``n_at_max`` and ``n_nan``.
+        ``cast``: ``rounding``, ``saturate``, ``seed``, ``srbits``. The tensor amax skips NaN
+        (as Transformer Engine's ``fmaxf`` amax kernels do, and as the other granularities do);
+        ``observe`` gets ``numel``, ``n_at_max`` and ``n_nan``.
         """
         fmt = get_format(fmt)
-        amax = float(compute_amax(x, "tensor"))
+        amax = float(compute_amax(x, "tensor", ignore_nan=True))
         st = self._cast(name, x, fmt, amax, cast)
         if observe:
             mag = st.codes & (fmt.sign_mask - 1) if fmt.signed else st.codes
@@ -318,6 +319,10 @@ class DelayedScaling(ScalingPolicy):
         a = _check_amax(amax, f"delayed.observe({name!r})")
         fmt = get_format(fmt)
         st = self._state(name)
+        if a == 0.0:
+            # Transformer Engine's fused update (delayed_scaling.cu, kernel_bulk) neither rolls
+            # the history nor changes the scale for an amax of 0
+            return
         hist = st["amax_history"][1:] + [a]  # oldest first; the window includes this step
         st["amax_history"] = hist
         st["steps"] += 1
@@ -447,7 +452,9 @@ class AutoScale(ScalingPolicy):
             return _f32(mu)
         a = self._need_amax(name, current_amax)
         base = scale_from_amax(a, get_format(fmt), pow2=self.params["base"] == "pow2")
-        return float(np.float32(mu) * base)
+        with np.errstate(over="ignore"):
+            scale = np.float32(mu) * np.float32(base)
+        return float(min(scale, _F32_MAX))  # mu * base may pass float32 max: clamp, never inf
 
     def observe(self, name: str, amax: float, fmt: FloatFormat | str, **stats: Any) -> None:
         _check_amax(amax, f"autoscale.observe({name!r})")

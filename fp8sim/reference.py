@@ -22,21 +22,18 @@ import numpy as np
 from fp8sim.emulator import ROUNDING_IDS, decode_table
 from fp8sim.formats import FloatFormat, get_format
 
-__all__ = ["ReferenceTables", "reference_tables", "round_to_code", "round_to_code_jit",
-           "encode_reference"]
+__all__ = ["reference_tables", "round_to_code", "round_to_code_jit", "encode_reference"]
 
 NAN_ERROR = -1
 OVERFLOW_ERROR = -2
 
 
-class ReferenceTables(tuple):
-    """(values, sig_even, max_code, sign_mask, signed, neg_zero, no_zero, has_inf, inf_code,
-    nan_kind, nan_code) -- plain data the scalar reference needs."""
-
-
 @functools.lru_cache(maxsize=None)
 def reference_tables(fmt: FloatFormat | str) -> tuple:
-    """Magnitude table by magnitude code, extended by one virtual value past max.
+    """(values, sig_even, max_code, sign_mask, signed, neg_zero, no_zero, has_inf, inf_code,
+    nan_kind, nan_code): the plain data :func:`round_to_code` needs.
+
+    ``values`` is the magnitude table by magnitude code, extended by one virtual value past max.
 
     ``sig_even[c]`` says whether the integral significand of magnitude ``c`` is even (the
     tie-breaking digit of round-to-nearest-even).

@@ -18,7 +18,8 @@ Ragged edges: a tile that runs past the array is cut at its edge ("padded logica
 outside the array is read and the missing elements never enter a tile's amax.
 
 Scale rule (``scale_from_amax``, the multiplier applied before the cast), all in float32:
-``a = max(amax, epsilon)``; ``scale = (fmt.max / a) / 2**margin``; a scale that would be inf
+``a = max(amax, epsilon)``; ``scale = (fmt.max * 2**-margin) / a`` (Transformer Engine's
+order: the scaled max first); a scale that would be inf
 (tiny amax) becomes the float32 max; ``pow2=True`` then rounds it down to a power of two.
 amax 0, inf or NaN gives scale 1 (Transformer Engine's current-scaling convention; the stateful
 policies in :mod:`fp8sim.policies` keep their previous scale instead).
@@ -253,9 +254,10 @@ def scale_from_amax(
         raise ValueError(f"scale_from_amax: epsilon must be finite and >= 0, got {epsilon}")
     a = np.where(a < np.float32(epsilon), np.float32(epsilon), a).astype(np.float32)
     keep = ~np.isfinite(a) | (a == 0)
+    # Transformer Engine's order: scaled_max = fp8_max * 2**-margin first (float32), then / amax
+    scaled_max = np.float32(np.float32(fmt.max) * np.float32(2.0 ** (-margin)))
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        s = np.float32(fmt.max) / np.where(keep, np.float32(1), a)
-        s = (s / np.float32(2.0**margin)).astype(np.float32)
+        s = (scaled_max / np.where(keep, np.float32(1), a)).astype(np.float32)
     s = np.where(np.isinf(s), _F32_MAX, s)
     if pow2:
         s = _pow2_floor(s)

@@ -6,5 +6,8 @@ before triton (or anything importing it) is imported, so it is set here, first.
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402  (after os; torch does not import triton at import time)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".numba_cache"))

@@ -298,3 +298,35 @@ def test_philox_matches_triton_randint_in_interpreter():
         out = torch.empty(n, dtype=torch.int32)
         _randint_kernel[(triton.cdiv(n, 256),)](out, seed, n, BLOCK=256)
         assert np.array_equal(out.numpy().view(np.uint32), randint(seed, np.arange(n)))
+
+
+def test_big_endian_and_read_only_inputs():
+    x = np.array([1.1, -464.0, 3e-3], dtype=">f4")
+    want = fp8sim.encode(x.astype("<f4"), "e4m3")
+    assert np.array_equal(fp8sim.encode(x, "e4m3"), want)
+    assert np.array_equal(fp8sim.decode(want.astype(">u2"), "e4m3"), fp8sim.decode(want, "e4m3"))
+    ro = x.astype(np.float64)
+    ro.setflags(write=False)
+    assert np.array_equal(fp8sim.encode(ro, "e4m3"), want)
+
+
+def test_arguments_that_would_be_ignored_are_refused():
+    x = np.ones(3, np.float32)
+    with pytest.raises(ValueError, match="for rounding='stochastic'"):
+        fp8sim.encode(x, "e4m3", srbits=8)
+    with pytest.raises(TypeError, match="saturate must be True or False"):
+        fp8sim.encode(x, "e4m3", saturate="no")
+    with pytest.raises(ValueError, match="negative"):
+        fp8sim.decode(np.array([-1], np.int64), "e4m3")
+
+
+def test_generic_formats_wider_than_float32_are_refused():
+    with pytest.raises(ValueError, match="2..8 exponent bits"):
+        fp8sim.get_format("e9m6")
+    # the widest accepted generic formats decode exactly in float32
+    for name in ("e8m7", "e8m5", "e5m10", "e2m13"):
+        fmt = fp8sim.get_format(name)
+        t32 = fp8sim.decode(np.arange(fmt.num_codes).astype(fmt.code_dtype), fmt)
+        t64 = fp8sim.decode(np.arange(fmt.num_codes).astype(fmt.code_dtype), fmt, dtype=np.float64)
+        fin = np.isfinite(t64)
+        assert np.array_equal(t32[fin].astype(np.float64), t64[fin])

@@ -54,10 +54,11 @@ def test_te_scale_update_scenarios(fmt, fmax, algo):
 
 # hand-computed: amax per step, then the scale in force at the next step (history 4, E4M3)
 AMAXES = [1.0, 4.0, 2.0, 0.5, 8.0, 0.0, 1.0, NAN, 2.0, 0.25]
-# max over the last 4 amaxes (NaN skipped as fmaxf does; 0 and NaN-only windows keep the scale):
-#   1 | 1,4 | 1,4,2 | 1,4,2,.5 | 4,2,.5,8 | 2,.5,8,0 | .5,8,0,1 | 8,0,1,nan | 0,1,nan,2
+# max over the last 4 amaxes (NaN skipped as fmaxf does; an amax of 0 is not rolled in, as in
+# TE's fused kernel_bulk, so the window and the scale stay):
+#   1 | 1,4 | 1,4,2 | 1,4,2,.5 | 4,2,.5,8 | (0: 4,2,.5,8) | 2,.5,8,1 | .5,8,1,nan | 8,1,nan,2
 #   | 1,nan,2,.25
-SCALES_MAX = [448, 112, 112, 112, 56, 56, 56, 56, 224, 224]
+SCALES_MAX = [448, 112, 112, 112, 56, 56, 56, 56, 56, 224]
 # most recent: 448/1, 448/4, 448/2, 448/.5, 448/8, (0: keep), 448/1, (NaN: keep), 448/2, 448/.25
 SCALES_RECENT = [448, 112, 224, 896, 56, 56, 448, 448, 224, 1792]
 
@@ -385,3 +386,40 @@ def test_cli_checks_one_spec(capsys):
     assert capsys.readouterr().out.splitlines()[0] == "mx:rule=rceil"
     with pytest.raises(ValueError, match="valid: history, algo, margin"):
         _run(["policies", "delayed:hist=3"])  # cli.main turns this into one line, exit 2
+
+
+# -- review findings: Transformer Engine's fused update, clamps, NaN handling ------------------
+
+
+def test_delayed_amax_zero_neither_rolls_nor_changes_the_scale():
+    """TE delayed_scaling.cu kernel_bulk: `if (last_amax != 0.0f)` guards the roll."""
+    p = parse_policy("delayed:history=2")
+    for a in (10.0, 1.0, 0.0):
+        p.observe("w", a, "e4m3")
+    # had the 0 been rolled in, the window would be [1, 0] -> 448; TE keeps 448/10
+    assert p.scale_for("w", "e4m3") == float(np.float32(448.0) / np.float32(10.0))
+    assert p.state_dict()["tensors"]["w"]["amax_history"] == [10.0, 1.0]
+
+
+def test_scale_uses_te_order_scaled_max_then_divide():
+    """TE: scaled_max = fp8_max * 2**-margin (float32), then scale = scaled_max / amax."""
+    rng = np.random.default_rng(0)
+    amax = (rng.random(2000) * 1e3).astype(np.float32) + np.float32(1e-3)
+    for margin in (0.5, 1, 3):
+        scaled_max = np.float32(np.float32(448.0) * np.float32(2.0 ** -margin))
+        want = (scaled_max / amax).astype(np.float32)
+        assert np.array_equal(scale_from_amax(amax, "e4m3", margin=margin), want)
+
+
+def test_autoscale_scale_is_clamped_to_float32_max():
+    p = parse_policy("autoscale:mu_init=2")
+    s = p.scale_for("g", "e4m3", current_amax=1e-38)
+    assert s == float(np.finfo(np.float32).max)
+
+
+def test_current_policy_skips_nan_like_other_granularities():
+    x = np.array([[1, np.nan, 4], [2, 3, 0.5]], np.float32)
+    a = parse_policy("current").quantize("a", x, "e4m3")
+    b = parse_policy("current:gran=block:2x3").quantize("a", x, "e4m3")
+    assert float(a.scale_inv) == float(np.asarray(b.scale_inv).ravel()[0])
+    assert float(a.scale_inv) == float(np.float32(1) / (np.float32(448) / np.float32(4)))

@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-__all__ = ["print_table", "print_json", "info"]
+__all__ = ["print_table", "print_json", "json_safe", "info"]
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], file=None) -> None:
@@ -20,8 +20,25 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], file=None
             print("  ".join("-" * w for w in widths), file=file)
 
 
+def json_safe(obj: Any) -> Any:
+    """``obj`` with non-finite floats as the strings "nan", "inf", "-inf" (strict JSON has no
+    NaN/Infinity literals; jq and most parsers reject them)."""
+    if isinstance(obj, float):
+        if obj != obj:
+            return "nan"
+        if obj in (float("inf"), float("-inf")):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, allow_nan=True)
+    """Strict JSON on stdout (see :func:`json_safe`)."""
+    json.dump(json_safe(obj), sys.stdout, indent=2, allow_nan=False)
     sys.stdout.write("\n")
 
 

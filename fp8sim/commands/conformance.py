@@ -29,7 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    os.environ.setdefault("TRITON_INTERPRET", "0")
+    import torch
+
+    # without a GPU, Triton's casts can only run in its interpreter; with one, natively
+    os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
     from fp8sim.conformance import run_conformance
 
     if args.patterns < 1:
@@ -42,10 +45,20 @@ def run(args: argparse.Namespace) -> int:
         rows = []
         for r in results:
             pct = lambda k: "-" if k < 0 or r.n == 0 else f"{100 * k / r.n:.4f}%"  # noqa: E731
+            verdict = r.error or r.verdict
+            if r.excluded:
+                verdict += f" (excl. {r.excluded} known*)"
             rows.append([r.library, r.target, r.fmt, r.inputs, r.n, pct(r.agree_saturating),
-                         pct(r.agree_nonsaturating), r.verdict if not r.error else r.error])
+                         pct(r.agree_nonsaturating), verdict])
         print_table(["library", "type", "ours", "inputs", "n", "=saturating", "=non-sat",
                      "verdict"], rows)
+        notes = {(r.library, r.target): r.note for r in results if r.note}
+        if notes:
+            print("\n* known, documented differences (those inputs are not judged):")
+            for (lib, typ), note in notes.items():
+                print(f"  {lib} {typ}: {note}")
+        if args.library and not results:
+            info(f"no casts available for {', '.join(args.library)}")
         bad = [r for r in results if r.first_disagreements]
         if bad:
             print("\nfirst disagreements (input -> theirs | emulator, closer overflow rule):")
