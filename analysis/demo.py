@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=300, help="training steps per run (default %(default)s)")
     p.add_argument("--recipe", default="te-delayed", help="the FP8 recipe (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a tiny model and 20 steps (a smoke test)")
+    p.add_argument("--quick", action="store_true", help="a tiny model and 12 steps (a smoke test)")
     p.add_argument("--json", action="store_true", help="print the measured figures as JSON")
     p.set_defaults(func=run)
 
@@ -100,7 +100,7 @@ def run_demo(
     t0 = time.perf_counter()
     model = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32) if quick else GPTConfig()
     if quick:
-        steps = 20
+        steps = 12
     base = dict(steps=steps, seed=seed, model=model, eval_every=max(10, steps // 6), eval_batches=4,
                 checkpoint_every=max(10, steps // 3), batch_size=4 if quick else 16)
     corpus = load_corpus(max_bytes=(1 << 20) if quick else None)

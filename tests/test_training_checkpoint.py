@@ -11,6 +11,15 @@ from fp8sim.training.data import load_corpus
 from fp8sim.training.model import GPTConfig
 from fp8sim.training.trainer import TrainConfig, Trainer, read_metrics
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 
@@ -20,7 +29,7 @@ def corpus():
 
 
 def _cfg(recipe: str, **kw) -> TrainConfig:
-    base = dict(recipe=recipe, steps=8, batch_size=4, warmup=2, eval_every=4, eval_batches=1,
+    base = dict(recipe=recipe, steps=6, batch_size=4, warmup=2, eval_every=4, eval_batches=1,
                 checkpoint_every=3, model=TINY)
     base.update(kw)
     return TrainConfig(**base)
@@ -30,12 +39,12 @@ def _losses(run_dir):
     return [(r["step"], r["loss"], r.get("val_loss")) for r in read_metrics(run_dir)]
 
 
-@pytest.mark.parametrize("recipe", ["fp32", "bf16", "te-delayed", "mx"])
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "te-delayed"])
 def test_kill_and_resume_bit_exact(tmp_path, corpus, recipe):
     cfg = _cfg(recipe)
     Trainer(cfg, tmp_path / "full", corpus=corpus).run(progress=False)
     full = _losses(tmp_path / "full")
-    assert len(full) == 8 and full[-1][2] is not None
+    assert len(full) == 6 and full[-1][2] is not None and full[3][2] is not None
 
     # the "killed" run got to step 5; its last checkpoint is step 3, steps 4-5 are lost work
     Trainer(cfg, tmp_path / "cut", corpus=corpus).run(progress=False, stop_after=5)

@@ -11,6 +11,15 @@ from fp8sim.training import GPT, GPTConfig, convert_to_fp8, get_fp8_state, get_r
 from fp8sim.training.fp8_linear import Fp8Linear
 from fp8sim.training.recipes import CastConfig, LinearRecipe
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
 

@@ -13,6 +13,15 @@ from fp8sim.training.model import GPTConfig
 from fp8sim.training.recorder import Recorder
 from fp8sim.training.trainer import TrainConfig, Trainer, read_metrics
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 TINY = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)
 
 

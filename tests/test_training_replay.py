@@ -4,6 +4,7 @@ histogram's bracket (other scales)."""
 
 import numpy as np
 import pytest
+import torch
 
 from analysis.replay import replay_policies
 from fp8sim.policies import parse_policy
@@ -14,6 +15,15 @@ from fp8sim.training.data import load_corpus
 from fp8sim.training.model import GPTConfig
 from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe, register_recipe
 from fp8sim.training.trainer import TrainConfig, Trainer, read_metrics
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 TINY = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)
 MSAMP = "msamp:window=4,margin=0"  # power-of-two scales: the histogram counts are exact

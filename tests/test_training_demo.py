@@ -1,0 +1,35 @@
+"""``fp8sim demo --quick``: the whole pipeline runs and its report states measured figures."""
+
+import json
+
+import pytest
+import torch
+
+import cli
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_demo_quick_writes_report(tmp_path, capsys):
+    out = tmp_path / "report"
+    assert cli.main(["demo", "--quick", "--out", str(out), "--json"]) == 0
+    fig = json.loads(capsys.readouterr().out)
+    assert fig == json.loads((out / "summary.json").read_text())
+    e = fig["emulator_vs_torch"]
+    # every FP8 cast of step 1 (4 linears x input, weight, grad_output) compared, all identical
+    assert e["step1_casts"] == 12 and e["codes_identical_step1"]
+    assert e["max_rel_loss_diff"] < 1e-3
+    assert fig["memory_bytes_per_param"]["b"]["total"] >= 16.0
+    assert [s["policy"] for s in fig["replay"]][0] == "recorded"
+    md = (out / "summary.md").read_text()
+    assert "## Targets (measured)" in md and f"{e['max_rel_loss_diff']:.2e}" in md
+    for png in ("loss_curves.png", "policies.png", "underflow_recorded.png"):
+        assert (out / "plots" / png).read_bytes()[:4] == b"\x89PNG"
+    assert (out / "traces" / "bf16" / "trace.json").is_file() and (out / "analyze.json").is_file()
