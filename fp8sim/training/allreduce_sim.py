@@ -54,6 +54,7 @@ __all__ = [
     "load_rank_gradients",
     "replay_allreduce",
     "format_allreduce_report",
+    "stats_dict",
 ]
 
 METHODS = ("pre", "post", "msamp", "autoscale")
