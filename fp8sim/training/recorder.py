@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from fp8sim.formats import get_format
-from fp8sim.trace import TraceWriter
+from fp8sim.trace import TraceReader, TraceWriter
 from fp8sim.training.fp8_linear import Fp8Linear, Fp8Operand, fp8_linears, get_fp8_state
 from fp8sim.training.recipes import CastConfig, get_recipe
 
@@ -85,7 +85,8 @@ class Recorder:
         self.writer = TraceWriter(self.path, meta, mode="a" if append else "w", chunk_steps=chunk_steps)
         self.step = 0
         self._explicit = False
-        self._declared: set[str] = {t["name"] for t in self.writer._meta["tensors"]} if append else set()
+        # tensors already in an appended trace are declared; new ones are declared on first sight
+        self._declared: set[str] = {t.name for t in TraceReader(self.path).tensors} if append else set()
         self._handles: list[Any] = []
         self._install()
 
