@@ -233,7 +233,9 @@ def _write_report(out, recipe, fig, vs_bf16, backends, analyze_text, replay_tabl
         f"## Scaling policies replayed over the {recipe} trace (`fp8sim replay`)",
         "",
         "`recorded` is what the run did; every other row is what that policy would have done on the "
-        "same tensors (exact counts for power-of-two scales, else a bracket).",
+        "same tensors (exact counts for power-of-two scales, else a bracket). The `weight_grad` tensors "
+        "are recorded against E5M2 with the run's policy although Transformer Engine keeps weight "
+        "gradients in float32: their rows show what an FP8 weight gradient (FP8-LM) would face.",
         "",
         "```",
         replay_table,
