@@ -516,7 +516,7 @@ class _RankRun:
             import json
 
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.json").write_text(json.dumps({**cfg.to_dict(), "nproc": world}, indent=2) + "\n")
+            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             (self.out / "metrics.jsonl").write_text("")
 
     def _autocast(self):
