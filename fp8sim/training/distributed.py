@@ -451,6 +451,8 @@ def _run_rank(rank: int, world: int, cfg_dict: dict, out: str, init_file: str | 
         init_process_group(rank, world, init_file)
     try:
         _RankRun(rank, world, TrainConfig.from_dict(cfg_dict), out, opts).run()
+        if world > 1:
+            dist.barrier()  # run.json is written before any rank returns
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
@@ -677,4 +679,6 @@ class _RankRun:
             summary["allreduce"]["mu_final"] = rows[-1]["allreduce"]["mu_min"], rows[-1]["allreduce"]["mu_max"]
         if self.zero is not None:
             summary["zero_loads"] = self.zero.loads()
-        (self.out / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
+        tmp = self.out / "run.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, self.out / "run.json")
