@@ -40,11 +40,10 @@ def _session(rank: int, world: int, tmp: str, init_file: str) -> None:
     import numba
     import torch.distributed as dist
 
-    from fp8sim.training.distributed import _RankRun, ensure_fp8lm_recipes, init_process_group
+    from fp8sim.training.distributed import _RankRun, init_process_group
 
     torch.set_num_threads(1)
     numba.set_num_threads(1)
-    ensure_fp8lm_recipes()
     init_process_group(rank, world, init_file)
     res: dict = {}
 
@@ -244,3 +243,32 @@ def test_one_process_reducer_and_memory_without_collectives():
     assert mem["fp8_weights"]["grads"] == pytest.approx((128 + 4) / 128)  # codes + scale_inv
     with pytest.raises(ValueError, match="gradient scaling"):
         Fp8GradReducer(lin.named_parameters(), set(), world=1, scaling="nope")
+
+
+def test_fp8lm_recipes():
+    from fp8sim.training.recipes import get_recipe
+
+    o1, o2, o3 = (get_recipe(f"fp8lm-o{k}") for k in (1, 2, 3))
+    assert all(r.grad_comm == "fp8" and r.linear.weight_grad.fmt == "e4m3" for r in (o1, o2, o3))
+    assert (o1.optimizer, o2.optimizer, o3.optimizer) == ("adamw", "fp8-adamw", "fp8-adamw")
+    assert (o1.weight_storage, o2.weight_storage, o3.weight_storage) == ("fp32", "fp32", "fp8")
+    assert dict(o1.extra)["grad_scaling"] == "autoscale"
+
+
+def test_cli_trains_fp8lm_in_one_process_and_compares(tmp_path, capsys):
+    import cli
+
+    small = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+             "--steps", "3", "--warmup", "1", "--eval-every", "3", "--checkpoint-every", "3"]
+    a, b = str(tmp_path / "fp32"), str(tmp_path / "o2")
+    assert cli.main(["train", "--recipe", "fp8lm-o2", "--out", b, "--json", *small]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["nproc"] == 1 and s["steps_done"] == 3 and s["memory_bytes_per_param"]["master"] > 0
+    assert s["comm_bytes_per_step"]["wgrad_fp8"] == 0  # one rank sends nothing
+    assert cli.main(["train", "--recipe", "fp32", "--out", a, *small]) == 0
+    capsys.readouterr()
+    assert cli.main(["compare", a, b]) == 0
+    text = capsys.readouterr().out
+    assert "bytes/param master" in text and "bytes/param fp8lm" in text
+    assert cli.main(["train", "--recipe", "fp8lm-o2", "--out", b, "--resume", *small]) == 2
+    assert cli.main(["train", "--recipe", "bf16", "--nproc", "3", "--out", str(tmp_path / "x"), *small]) == 2  # 4 % 3

@@ -49,7 +49,6 @@ __all__ = [
     "init_process_group",
     "torchrun_env",
     "memory_breakdown",
-    "ensure_fp8lm_recipes",
     "train_distributed",
 ]
 
@@ -340,41 +339,6 @@ def memory_breakdown(
     return out
 
 
-# -- FP8-LM recipes (registered on first use; they move to recipes.py) ---------------------------
-
-
-def _fp8lm_recipe(level: int):
-    from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe
-
-    # MS-AMP's scaling: power-of-two scales, amax window 16 for activations and output gradients,
-    # 1 for weights and weight gradients; weight gradients in E4M3 (FP8-LM O1)
-    lin = LinearRecipe(
-        input=CastConfig("e4m3", "msamp"),
-        weight=CastConfig("e4m3", "msamp:window=1"),
-        grad_output=CastConfig("e5m2", "msamp"),
-        weight_grad=CastConfig("e4m3", "msamp:window=1"),
-    )
-    what = {
-        1: "FP8 GEMMs, E4M3 weight gradients, FP8 gradient all-reduce with AutoScale",
-        2: "O1 + FP8-LM Adam: E4M3 first moment, FP16 second moment, FP16 master weights (scaled)",
-        3: "O2 + E4M3 weights sharded ZeRO-style with their FP16 masters (whole tensors, greedy)",
-    }[level]
-    return Recipe(
-        f"fp8lm-o{level}", f"FP8-LM O{level}: {what}", linear=lin,
-        optimizer="adamw" if level == 1 else "fp8-adamw", grad_comm="fp8",
-        weight_storage="fp8" if level == 3 else "fp32", extra=(("grad_scaling", "autoscale"),),
-    )
-
-
-def ensure_fp8lm_recipes() -> None:
-    """Register ``fp8lm-o1``/``-o2``/``-o3`` unless recipes.py already has them."""
-    from fp8sim.training.recipes import list_recipes, register_recipe
-
-    for level in (1, 2, 3):
-        if f"fp8lm-o{level}" not in list_recipes():
-            register_recipe(f"fp8lm-o{level}", lambda level=level: _fp8lm_recipe(level))
-
-
 # -- the data-parallel run ----------------------------------------------------------------------
 
 
@@ -402,7 +366,6 @@ def train_distributed(
     """
     from pathlib import Path
 
-    ensure_fp8lm_recipes()
     env = torchrun_env()
     world = env[1] if env else nproc
     if not isinstance(world, int) or world < 1:
@@ -440,7 +403,6 @@ def _run_rank(rank: int, world: int, cfg_dict: dict, out: str, init_file: str | 
 
     import numba
 
-    ensure_fp8lm_recipes()
     threads = max(1, (os.cpu_count() or 1) // world)
     torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
     # one core per rank; numba kernels single-threaded: on the tiny model's tensors a parallel

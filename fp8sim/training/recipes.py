@@ -17,7 +17,10 @@ NotImplementedError naming it, never silently trains something else.
 
 Built-in recipes: ``fp32``, ``bf16`` (autocast), ``te-delayed`` (Transformer Engine hybrid: E4M3
 forward, E5M2 output gradients, delayed scaling), ``te-current`` (hybrid, current scaling),
-``mx`` (MXFP8: E4M3 everywhere, one E8M0 scale per 32 elements along the GEMM reduction axis).
+``mx`` (MXFP8: E4M3 everywhere, one E8M0 scale per 32 elements along the GEMM reduction axis),
+and FP8-LM's levels ``fp8lm-o1`` / ``-o2`` / ``-o3`` (MS-AMP's power-of-two scaling; E4M3 weight
+gradients averaged by the FP8 all-reduce with AutoScale; O2 adds the FP8-LM Adam, O3 E4M3 weights
+sharded ZeRO-style), which train through :func:`fp8sim.training.distributed.train_distributed`.
 """
 
 from __future__ import annotations
@@ -170,12 +173,36 @@ def _mx() -> Recipe:
     )
 
 
+def _fp8lm(level: int) -> Recipe:
+    # MS-AMP's scaling: power-of-two scales, amax window 16 for activations and output gradients,
+    # 1 for weights and weight gradients; weight gradients cast to E4M3 (FP8-LM O1)
+    lin = LinearRecipe(
+        input=CastConfig("e4m3", "msamp"),
+        weight=CastConfig("e4m3", "msamp:window=1"),
+        grad_output=CastConfig("e5m2", "msamp"),
+        weight_grad=CastConfig("e4m3", "msamp:window=1"),
+    )
+    what = {
+        1: "FP8 GEMMs, E4M3 weight gradients, FP8 gradient all-reduce with AutoScale",
+        2: "O1 + FP8-LM Adam: E4M3 first moment, FP16 second moment, FP16 master weights (scaled)",
+        3: "O2 + E4M3 weights sharded ZeRO-style with their FP16 masters (whole tensors, greedy)",
+    }[level]
+    return Recipe(
+        f"fp8lm-o{level}", f"FP8-LM O{level}: {what}", linear=lin,
+        optimizer="adamw" if level == 1 else "fp8-adamw", grad_comm="fp8",
+        weight_storage="fp8" if level == 3 else "fp32", extra=(("grad_scaling", "autoscale"),),
+    )
+
+
 _REGISTRY: dict[str, Callable[[], Recipe]] = {
     "fp32": _fp32,
     "bf16": _bf16,
     "te-delayed": lambda: _te(TE_DELAYED_POLICY, "te-delayed", "delayed scaling (amax history 16, max)"),
     "te-current": lambda: _te("current", "te-current", "current (just-in-time) scaling"),
     "mx": _mx,
+    "fp8lm-o1": lambda: _fp8lm(1),
+    "fp8lm-o2": lambda: _fp8lm(2),
+    "fp8lm-o3": lambda: _fp8lm(3),
 }
 
 
