@@ -3,7 +3,10 @@
 ``fp8sim train --recipe R --backend B --steps N [--record DIR] [--seed S] [--out DIR]``: trains the
 tiny byte-level GPT, writes ``metrics.jsonl``, checkpoints and ``run.json`` into ``--out``; a
 progress bar on stderr (loss, tokens/s) when stderr is a terminal and ``--json`` is not given.
-``--resume`` continues the run in ``--out`` from its last checkpoint.
+``--resume`` continues the run in ``--out`` from its last checkpoint. ``--nproc N`` (or torchrun)
+trains data-parallel over N ranks, and the FP8-LM recipes (``fp8lm-o1/o2/o3``) always train through
+:func:`fp8sim.training.distributed.train_distributed`; ``run.json`` then adds the bytes each rank
+sends per step.
 
 ``fp8sim compare RUN_A RUN_B [--plot DIR]``: final loss delta, memory per parameter, FP8
 overflow/underflow events; ``--plot`` writes ``loss_curves.png``.
@@ -48,6 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--n-head", type=int, default=d.model.n_head)
     p.add_argument("--n-embd", type=int, default=d.model.n_embd)
     p.add_argument("--block-size", type=int, default=d.model.block_size)
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="data-parallel ranks, spawned with torch.multiprocessing (gloo on CPU); under torchrun "
+                        "the ranks come from the environment (default %(default)s)")
+    p.add_argument("--grad-scaling", default=None, choices=("autoscale", "msamp"),
+                   help="FP8 gradient all-reduce of the fp8lm recipes: FP8-LM's AutoScale (default) or MS-AMP's "
+                        "fixed 1/sqrt(N) pre-scale")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
     p.set_defaults(func=run_train)
 
@@ -75,11 +84,35 @@ def config_from_args(args: argparse.Namespace):
     )
 
 
+def _run_distributed(args: argparse.Namespace, cfg, out: Path) -> dict | None:
+    """Data-parallel and FP8-LM runs (:mod:`fp8sim.training.distributed`); None on ranks > 0."""
+    from fp8sim.training.distributed import torchrun_env, train_distributed
+
+    if args.resume:
+        raise ValueError("--resume: data-parallel and FP8-LM runs cannot resume (yet)")
+    env = torchrun_env()
+    if not env or env[0] == 0:
+        print(f"fp8sim train: {cfg.recipe} on {cfg.backend}, {env[1] if env else args.nproc} rank(s) -> {out}",
+              file=sys.stderr)
+    summary = train_distributed(cfg, out, nproc=args.nproc, grad_scaling=args.grad_scaling, record=args.record,
+                                save_every=args.save_every, progress=None if not args.json else False)
+    return None if env and env[0] != 0 else summary
+
+
 def run_train(args: argparse.Namespace) -> int:
+    from fp8sim.training.distributed import torchrun_env
+    from fp8sim.training.recipes import get_recipe
     from fp8sim.training.trainer import Trainer
 
     cfg = config_from_args(args)
     out = Path(args.out or f"runs/{cfg.recipe}-{cfg.backend}-s{cfg.seed}")
+    r = get_recipe(cfg.recipe)
+    if args.nproc != 1 or torchrun_env() or args.grad_scaling or (r.optimizer, r.grad_comm, r.weight_storage) != (
+            "adamw", "none", "fp32"):
+        summary = _run_distributed(args, cfg, out)
+        if summary is not None:
+            _print_summary(args, summary, out)
+        return 0
     factory = None
     if args.record:
         from fp8sim.training.recorder import record
@@ -94,6 +127,11 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"fp8sim train: {cfg.recipe} on {cfg.backend}, {trainer.model.num_params():,} parameters, "
           f"corpus {trainer.corpus.source} ({trainer.corpus.num_bytes:,} bytes) -> {out}", file=sys.stderr)
     summary = trainer.run(progress=None if not args.json else False)
+    _print_summary(args, summary, out)
+    return 0
+
+
+def _print_summary(args: argparse.Namespace, summary: dict, out: Path) -> None:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -102,10 +140,16 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"final loss     {summary['final_loss']:.4f}")
         print(f"final val loss {summary['final_val_loss']:.4f}")
         print(f"overflow       {summary['overflow']}   underflow {summary['underflow']}")
-        print(f"bytes/param    {mem['total']:.2f} (weights {mem['weights']:.2f}, grads {mem['grads']:.2f}, "
-              f"optimizer {mem['optimizer']:.2f})")
+        master = f", master {mem['master']:.2f}" if mem.get("master") else ""
+        count = f"; FP8-LM count {mem['fp8lm']:.2f}" if "fp8lm" in mem else ""
+        print(f"bytes/param    {mem['total']:.2f} (weights {mem['weights']:.2f}{master}, grads {mem['grads']:.2f}, "
+              f"optimizer {mem['optimizer']:.2f}{count})")
         print(f"median step    {summary['median_step_time_s'] * 1e3:.1f} ms")
-    return 0
+        comm = summary.get("comm_bytes_per_step")
+        if comm and summary.get("nproc", 1) > 1:
+            sent = sum(comm[k] for k in ("wgrad_fp8", "scales", "grads_other", "weights"))
+            ratio = comm.get("wgrad_fp8_vs_bf16")
+            print(f"comm/step      {sent:,.0f} bytes per rank" + (f" (weight grads {ratio:.1%} of BF16)" if ratio else ""))
 
 
 def run_compare(args: argparse.Namespace) -> int:
