@@ -79,6 +79,11 @@ def compare_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, window: 
         "a": a["summary"].get("memory_bytes_per_param"),
         "b": b["summary"].get("memory_bytes_per_param"),
     }
+    # distributed runs (fp8sim.training.distributed): mean bytes one rank sent per step
+    out["comm_bytes_per_step"] = {
+        "a": a["summary"].get("comm_bytes_per_step"),
+        "b": b["summary"].get("comm_bytes_per_step"),
+    }
     out["events"] = {"a": _events(a["metrics"]), "b": _events(b["metrics"])}
     out["median_step_time_s"] = {
         "a": a["summary"].get("median_step_time_s"),
@@ -120,6 +125,22 @@ def _fmt(v, spec: str = ".4f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _mem(m: dict | None, part: str) -> float | None:
+    """A memory figure; runs of the single-process trainer have no separate masters (0) and
+    FP8-LM's count (masters + grads + moments) is then their total."""
+    if not m:
+        return None
+    if part == "master":
+        return m.get("master", 0.0)
+    if part == "fp8lm":
+        return m.get("fp8lm", m["total"])
+    return m[part]
+
+
+def _comm_total(d: dict) -> float:
+    return sum(v for k, v in d.items() if k in ("wgrad_fp8", "scales", "grads_other", "weights"))
+
+
 def format_comparison(c: dict) -> str:
     """The comparison as aligned text lines (for stdout and the demo's report)."""
     lines = [f"A: {c['a']}  ({c['a_dir']})", f"B: {c['b']}  ({c['b_dir']})", ""]
@@ -132,10 +153,15 @@ def format_comparison(c: dict) -> str:
         )
     lines.append(f"{'max |rel loss diff| (steps)':28}{_fmt(c['max_abs_rel_loss_diff'], '.2e'):>12}  over {c['common_steps']} common steps")
     ma, mb = c["memory_bytes_per_param"]["a"], c["memory_bytes_per_param"]["b"]
-    for part in ("weights", "grads", "optimizer", "total"):
+    for part in ("weights", "master", "grads", "optimizer", "total", "fp8lm"):
         lines.append(
-            f"{'bytes/param ' + part:28}{_fmt(ma and ma[part], '.2f'):>12}{_fmt(mb and mb[part], '.2f'):>12}"
+            f"{'bytes/param ' + part:28}{_fmt(_mem(ma, part), '.2f'):>12}{_fmt(_mem(mb, part), '.2f'):>12}"
         )
+    ca, cb = c.get("comm_bytes_per_step", {}).get("a"), c.get("comm_bytes_per_step", {}).get("b")
+    if ca or cb:
+        for label, fn in (("comm bytes/step (per rank)", _comm_total), ("  weight grads in FP8", lambda d: d["wgrad_fp8"] + d["scales"]),
+                          ("  FP8 / BF16 weight grads", lambda d: d.get("wgrad_fp8_vs_bf16"))):
+            lines.append(f"{label:28}{_fmt(ca and fn(ca), '.3g'):>12}{_fmt(cb and fn(cb), '.3g'):>12}")
     ea, eb = c["events"]["a"], c["events"]["b"]
     for key in ("overflow_total", "underflow_total", "steps_with_overflow", "first_overflow_step"):
         va = ea[key] if ea["fp8"] else None
