@@ -64,8 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     r.add_argument("trace", metavar="TRACE", help="an fp8sim trace directory")
-    r.add_argument("--policy", action="append", required=True, metavar="SPEC",
-                   help="a policy spec; repeat for several")  # fmt: skip
+    r.add_argument("--policy", action="append", metavar="SPEC",
+                   help="a policy spec; repeat for several (required unless --allreduce)")  # fmt: skip
+    r.add_argument("--allreduce", type=int, metavar="N",
+                   help="simulate the FP8 gradient all-reduce over N ranks on the saved weight gradients "
+                        "(TRACE: a directory of rank*/ traces, or one trace whose consecutive saved steps "
+                        "stand in for ranks): pre-/post-scaling, MS-AMP 1/sqrt(N), AutoScale; exact vs FP8 ring")  # fmt: skip
     r.add_argument("--json", metavar="FILE", help="write JSON to FILE ('-' for stdout)")
     r.add_argument("--plot", metavar="DIR", help="write PNG heatmaps into DIR")
     r.add_argument("--no-recorded", action="store_true", help="leave out the trace's own scales")
@@ -359,6 +363,19 @@ def run_replay(args: argparse.Namespace) -> int:
     from analysis.replay import replay_policies, summary_rows
     from fp8sim.trace import TraceReader, is_trace
 
+    if args.allreduce is not None:
+        from fp8sim.training.allreduce_sim import format_allreduce_report, replay_allreduce
+
+        if args.policy:
+            raise ValueError("replay: --allreduce and --policy are separate replays; give one of them")
+        result = replay_allreduce(args.trace, args.allreduce)
+        if args.json is not None:
+            _write_json(args.json, result)
+        if args.json != "-":
+            print(format_allreduce_report(result))
+        return 0
+    if not args.policy:
+        raise ValueError("replay: give --policy SPEC (one or more) or --allreduce N")
     if not os.path.isdir(args.trace) or not is_trace(args.trace):
         raise ValueError(f"{args.trace}: not an fp8sim trace directory (no trace.json)")
     reader = TraceReader(args.trace)

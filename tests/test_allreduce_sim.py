@@ -158,3 +158,18 @@ def test_replay_single_trace_uses_steps_as_ranks(tmp_path):
     assert res["records"] == 4 and set(res["rows"][0]["mu"]) == {"h.0.c_fc.weight_grad", "h.0.c_proj.weight_grad"}
     with pytest.raises(ValueError, match="not an fp8sim trace"):
         replay_allreduce(tmp_path / "nope", 2)
+
+
+def test_replay_cli_allreduce(tmp_path, capsys):
+    import json
+
+    import cli
+
+    _write_rank_traces(tmp_path)
+    assert cli.main(["replay", str(tmp_path), "--allreduce", "2", "--json", "-"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["source"] == "ranks" and out["ranks"] == 2 and len(out["rows"]) == 8
+    assert cli.main(["replay", str(tmp_path), "--allreduce", "2"]) == 0
+    assert "FP8 all-reduce over 2 ranks" in capsys.readouterr().out
+    assert cli.main(["replay", str(tmp_path), "--allreduce", "2", "--policy", "current"]) == 2
+    assert cli.main(["replay", str(tmp_path), "--allreduce", "1"]) == 2
