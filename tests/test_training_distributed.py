@@ -120,7 +120,7 @@ def session(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("dist")
     mp.spawn(_session, args=(WORLD, str(tmp), str(tmp / "store")), nprocs=WORLD, join=True)
-    res = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]  # our own files
+    res = [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     return tmp, res
 
 
