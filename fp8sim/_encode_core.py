@@ -33,7 +33,7 @@ import math
 import numba
 import numpy as np
 
-from fp8sim._jit import jit_kernel, jit_scalar
+from fp8sim._jit import jit_kernel, jit_scalar, serial_twin
 from fp8sim.philox import randint_scalar
 
 __all__ = [
@@ -404,3 +404,10 @@ def encode_fast_kernel(xbits, out, p, emax_in, bias_in, mbits, emin, max_code, m
             out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
                                 bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
                                 inf_res, nan_code, fz, ODD, np.uint32(0), k)
+
+
+# serial twins for small arrays (see fp8sim._jit.PARALLEL_MIN_ELEMENTS)
+encode_fast_kernel_serial = serial_twin(encode_fast_kernel)
+encode_f32_kernel_serial = serial_twin(encode_f32_kernel)
+encode_f64_kernel_serial = serial_twin(encode_f64_kernel)
+decode_kernel_serial = serial_twin(decode_kernel)

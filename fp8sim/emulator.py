@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from fp8sim import _encode_core as core
+from fp8sim._jit import PARALLEL_MIN_ELEMENTS
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.philox import seed_words
 
@@ -236,22 +237,26 @@ def _encode_numpy(
     out = np.empty(flat.size, dtype=fmt.code_dtype)
     status = np.zeros(flat.size if fmt.nan == "none" else 0, dtype=np.uint8)
     params = format_params(fmt)
+    big = flat.size >= PARALLEL_MIN_ELEMENTS
     if allow_fast and _fast_path_ok(fmt, flat.dtype):
         over = fmt.inf_code if fmt.has_inf else fmt.nan_code
         if flat.dtype == np.float32:
             bits, p, emax_in, bias_in = flat.view(np.uint32), 23, 0xFF, 127
         else:
             bits, p, emax_in, bias_in = flat.view(np.uint64), 52, 0x7FF, 1023
-        core.encode_fast_kernel(
+        kernel = core.encode_fast_kernel if big else core.encode_fast_kernel_serial
+        kernel(
             bits, out, p, emax_in, bias_in, fmt.mantissa_bits, fmt.emin, fmt.max_code,
             fmt.magnitude_bits, over, fmt.nan_code, fmt.nan == "fnuz", mode, bool(saturate),
             rb, use_rbits, np.uint64(k0), np.uint64(k1), k,
         )
         return out.reshape(shape)
     if flat.dtype == np.float32:
-        kernel, bits = core.encode_f32_kernel, flat.view(np.uint32)
+        kernel = core.encode_f32_kernel if big else core.encode_f32_kernel_serial
+        bits = flat.view(np.uint32)
     else:
-        kernel, bits = core.encode_f64_kernel, flat.view(np.uint64)
+        kernel = core.encode_f64_kernel if big else core.encode_f64_kernel_serial
+        bits = flat.view(np.uint64)
     kernel(
         bits, out, status, params, mode, bool(saturate), rb, use_rbits,
         np.uint64(k0), np.uint64(k1), k,
@@ -330,7 +335,8 @@ def decode(codes: Any, fmt: FloatFormat | str, *, dtype: Any = np.float32) -> An
             f"({fmt.bits} bits)"
         )
     out = np.empty(flat.size, dtype=dtype)
-    core.decode_kernel(flat, decode_table(fmt, dtype), out)
+    kernel = core.decode_kernel if flat.size >= PARALLEL_MIN_ELEMENTS else core.decode_kernel_serial
+    kernel(flat, decode_table(fmt, dtype), out)
     out = out.reshape(arr.shape)
     if from_torch:
         import torch

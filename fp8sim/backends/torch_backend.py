@@ -17,7 +17,9 @@ What torch can do exactly as the emulator does, and what it cannot (checked by
 Block and MX scaling (``block_quantize``) is not implemented here: ``NotImplementedError``.
 Decoding uses the native dtype where torch has one, else an exact table gather (any format).
 ``scaled_mm`` uses ``torch._scaled_mm`` on a CUDA GPU of compute capability 8.9 or newer for
-e4m3/e5m2 operands whose shapes it accepts, else decodes to float32 and multiplies in float32.
+e4m3/e5m2 operands whose shapes it accepts; otherwise it decodes and multiplies -- on CPU in
+float64 with one final rounding (the emulator backend's arithmetic, so CPU runs of the two
+backends differ only where their casts do), on other GPUs in float32.
 """
 
 from __future__ import annotations
@@ -74,8 +76,11 @@ def _code_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cast(y: torch.Tensor, fmt: FloatFormat, rounding: str, saturate: bool, seed: Any,
-          srbits: Any) -> torch.Tensor:
-    """Codes of the float32 tensor ``y``: the emulator's ``encode(y, fmt, ...)``."""
+          srbits: Any, may_have_nan: bool = True) -> torch.Tensor:
+    """Codes of the float32 tensor ``y``: the emulator's ``encode(y, fmt, ...)``.
+
+    ``may_have_nan=False`` (the caller knows ``y`` has no NaN, e.g. from a finite amax) skips
+    the NaN-canonicalizing passes."""
     check_rounding(rounding, seed)
     if rounding != "rne":
         raise NotImplementedError(
@@ -92,6 +97,8 @@ def _cast(y: torch.Tensor, fmt: FloatFormat, rounding: str, saturate: bool, seed
         )
     src = y.clamp(-fmt.max, fmt.max) if saturate else y  # NaN passes through clamp
     codes = _code_view(src.to(dtype))
+    if not may_have_nan:
+        return codes.contiguous()
     if fmt.nan == "fnuz":
         canonical = torch.full_like(codes, fmt.nan_code)
     else:
@@ -138,8 +145,10 @@ class TorchBackend(Backend):
         fmt = get_format(fmt)
         s = as_scale(scale, tuple(x.shape), x.device)
         y = x.detach().to(torch.float32) * s
-        codes = _cast(y, fmt, rounding, saturate, seed, srbits)
-        return codes, reciprocal(s), self.amax(x)
+        amax = self.amax(x)  # NaN-propagating: a NaN-free amax means a NaN-free y
+        codes = _cast(y, fmt, rounding, saturate, seed, srbits,
+                      may_have_nan=bool(torch.isnan(amax)))
+        return codes, reciprocal(s), amax
 
     def dequantize(
         self,
@@ -192,6 +201,10 @@ class TorchBackend(Backend):
             a8 = a_codes.contiguous().view(TORCH_DTYPES[a_fmt.name])
             b8 = b_codes.t().contiguous().view(TORCH_DTYPES[b_fmt.name]).t()  # column-major
             return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        if a_codes.device.type == "cpu":
+            # as the emulator backend: exact products summed in float64, scaled, rounded once
+            acc = _decode_f32(a_codes, a_fmt).double() @ _decode_f32(b_codes, b_fmt).double()
+            return (acc * sa.double() * sb.double()).to(out_dtype)
         acc = _decode_f32(a_codes, a_fmt) @ _decode_f32(b_codes, b_fmt)  # float32 accumulate
         return (acc * sa * sb).to(out_dtype)
 
