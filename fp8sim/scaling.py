@@ -391,7 +391,8 @@ def quantize_scaled(
 
     ``scale=None``: just in time from each group's amax (:func:`scale_from_amax` with
     ``margin``, ``pow2``, ``epsilon``; NaNs are counted and left out of the amax, then encode
-    as the format's NaN). For ``mx`` granularities the E8M0 rule applies instead (``margin``,
+    as the format's NaN -- a format with no NaN code (e2m1, e2m3, e3m2) outside MX raises
+    ValueError, as :func:`fp8sim.encode` does, rather than invent a value). For ``mx`` granularities the E8M0 rule applies instead (``margin``,
     ``pow2`` and ``epsilon`` must stay at their defaults) and a block with a NaN or inf gets a
     NaN scale; its elements are encoded as NaN (or as 0 in formats without NaN; the block's
     NaN lives in its scale either way). A given ``scale`` (scalar or the scale shape) must be
