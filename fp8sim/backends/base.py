@@ -408,6 +408,31 @@ class Backend:
         Philox with ``seed``, ``seed + 1``, ``seed + 2`` for param, exp_avg, exp_avg_sq (counter =
         flat index). Returns the new scale_invs and the amaxes of the new w, m, v.
         """
+        args = check_adam_args(
+            param, param_scale_inv, grad, exp_avg, exp_avg_scale_inv, exp_avg_sq,
+            exp_avg_sq_scale_inv, grad_scale_inv, param_scale, exp_avg_scale, exp_avg_sq_scale,
+            exp_avg_fmt, rounding, seed,
+        )
+        consts = adam_constants(step, lr, beta1, beta2, eps, weight_decay)
+        return self._adam_step(param, grad, exp_avg, exp_avg_sq, args["fmt"], args["scalars"],
+                               consts, rounding=rounding, saturate=saturate, seed=seed)
+
+    def _adam_step(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        fmt: FloatFormat,
+        scalars: dict[str, torch.Tensor],
+        consts: dict[str, Any],
+        *,
+        rounding: str,
+        saturate: bool,
+        seed: int | None,
+    ) -> AdamStepResult:
+        """The backend's arithmetic for :meth:`adam_step`, on checked arguments: ``scalars`` the
+        float32 scale/scale_inv tensors by name, ``consts`` from :func:`adam_constants`."""
         raise NotImplementedError(f"{self.name}: adam_step")
 
     def __repr__(self) -> str:

@@ -15,9 +15,7 @@ import torch
 from fp8sim.backends.base import (
     AdamStepResult,
     Backend,
-    adam_constants,
     as_scale,
-    check_adam_args,
     check_codes,
     check_input,
     check_mm,
@@ -143,48 +141,31 @@ class EmulatorBackend(Backend):
         out = (a @ b) * sa * sb
         return out.to(out_dtype).to(a_codes.device)
 
-    def adam_step(
+    def _adam_step(
         self,
         param: torch.Tensor,
-        param_scale_inv: Any,
         grad: torch.Tensor,
         exp_avg: torch.Tensor,
-        exp_avg_scale_inv: Any,
         exp_avg_sq: torch.Tensor,
-        exp_avg_sq_scale_inv: Any = 1.0,
+        fmt: FloatFormat,
+        scalars: dict[str, torch.Tensor],
+        consts: dict[str, Any],
         *,
-        step: int,
-        lr: float,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        grad_scale_inv: Any = 1.0,
-        param_scale: Any = None,
-        exp_avg_scale: Any = None,
-        exp_avg_sq_scale: Any = None,
-        exp_avg_fmt: FloatFormat | str = "e4m3",
-        rounding: str = "rne",
-        saturate: bool = True,
-        seed: int | None = None,
+        rounding: str,
+        saturate: bool,
+        seed: int | None,
     ) -> AdamStepResult:
         """See :meth:`Backend.adam_step`; computed by :func:`adam_reference`."""
-        args = check_adam_args(
-            param, param_scale_inv, grad, exp_avg, exp_avg_scale_inv, exp_avg_sq,
-            exp_avg_sq_scale_inv, grad_scale_inv, param_scale, exp_avg_scale, exp_avg_sq_scale,
-            exp_avg_fmt, rounding, seed,
-        )
-        consts = adam_constants(step, lr, beta1, beta2, eps, weight_decay)
         new = adam_reference(
             param.detach().cpu(), grad.detach().cpu(), exp_avg.detach().cpu(),
             exp_avg_sq.detach().cpu(), consts=consts, rounding=rounding, saturate=saturate,
-            seed=seed, **{k: v.cpu() for k, v in args["scalars"].items()}, exp_avg_fmt=args["fmt"],
+            seed=seed, **{k: v.cpu() for k, v in scalars.items()}, exp_avg_fmt=fmt,
         )
         param.copy_(new["param"].to(param.device))
         exp_avg.copy_(new["exp_avg"].to(exp_avg.device))
         exp_avg_sq.copy_(new["exp_avg_sq"].to(exp_avg_sq.device))
         dev = param.device
-        s = args["scalars"]
+        s = scalars
         return AdamStepResult(
             reciprocal(s["param_scale"]).to(dev),
             reciprocal(s["exp_avg_scale"]).to(dev),

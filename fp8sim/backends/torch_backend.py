@@ -31,9 +31,7 @@ import torch
 from fp8sim.backends.base import (
     AdamStepResult,
     Backend,
-    adam_constants,
     as_scale,
-    check_adam_args,
     check_codes,
     check_input,
     check_mm,
@@ -208,39 +206,23 @@ class TorchBackend(Backend):
         acc = _decode_f32(a_codes, a_fmt) @ _decode_f32(b_codes, b_fmt)  # float32 accumulate
         return (acc * sa * sb).to(out_dtype)
 
-    def adam_step(
+    def _adam_step(
         self,
         param: torch.Tensor,
-        param_scale_inv: Any,
         grad: torch.Tensor,
         exp_avg: torch.Tensor,
-        exp_avg_scale_inv: Any,
         exp_avg_sq: torch.Tensor,
-        exp_avg_sq_scale_inv: Any = 1.0,
+        fmt: FloatFormat,
+        scalars: dict[str, torch.Tensor],
+        consts: dict[str, Any],
         *,
-        step: int,
-        lr: float,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        grad_scale_inv: Any = 1.0,
-        param_scale: Any = None,
-        exp_avg_scale: Any = None,
-        exp_avg_sq_scale: Any = None,
-        exp_avg_fmt: FloatFormat | str = "e4m3",
-        rounding: str = "rne",
-        saturate: bool = True,
-        seed: int | None = None,
+        rounding: str,
+        saturate: bool,
+        seed: int | None,
     ) -> AdamStepResult:
         """See :meth:`Backend.adam_step`; separate torch float32 ops, so no op is fused."""
-        args = check_adam_args(
-            param, param_scale_inv, grad, exp_avg, exp_avg_scale_inv, exp_avg_sq,
-            exp_avg_sq_scale_inv, grad_scale_inv, param_scale, exp_avg_scale, exp_avg_sq_scale,
-            exp_avg_fmt, rounding, seed,
-        )
-        fmt, s = args["fmt"], args["scalars"]
-        c = {k: float(v) for k, v in adam_constants(step, lr, beta1, beta2, eps, weight_decay).items()}
+        s = scalars
+        c = {k: float(v) for k, v in consts.items()}
         f32 = torch.float32
         g = grad.detach().to(f32) * s["grad_scale_inv"]
         w = param.detach().to(f32) * s["param_scale_inv"]

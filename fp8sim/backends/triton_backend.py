@@ -17,9 +17,7 @@ import torch
 from fp8sim.backends.base import (
     AdamStepResult,
     Backend,
-    adam_constants,
     as_scale,
-    check_adam_args,
     check_codes,
     check_input,
     check_mm,
@@ -164,45 +162,28 @@ class TritonBackend(Backend):
         return _scaled_mm(a_codes, a_fmt, sa, b_codes, b_fmt, sb, out_dtype=out_dtype,
                           native=self.native)
 
-    def adam_step(
+    def _adam_step(
         self,
         param: torch.Tensor,
-        param_scale_inv: Any,
         grad: torch.Tensor,
         exp_avg: torch.Tensor,
-        exp_avg_scale_inv: Any,
         exp_avg_sq: torch.Tensor,
-        exp_avg_sq_scale_inv: Any = 1.0,
+        fmt: FloatFormat,
+        scalars: dict[str, torch.Tensor],
+        consts: dict[str, Any],
         *,
-        step: int,
-        lr: float,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        grad_scale_inv: Any = 1.0,
-        param_scale: Any = None,
-        exp_avg_scale: Any = None,
-        exp_avg_sq_scale: Any = None,
-        exp_avg_fmt: FloatFormat | str = "e4m3",
-        rounding: str = "rne",
-        saturate: bool = True,
-        seed: int | None = None,
+        rounding: str,
+        saturate: bool,
+        seed: int | None,
     ) -> AdamStepResult:
         """See :meth:`Backend.adam_step` (one fused kernel, ``kernels/adam.py``)."""
-        args = check_adam_args(
-            param, param_scale_inv, grad, exp_avg, exp_avg_scale_inv, exp_avg_sq,
-            exp_avg_sq_scale_inv, grad_scale_inv, param_scale, exp_avg_scale, exp_avg_sq_scale,
-            exp_avg_fmt, rounding, seed,
-        )
         for what, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg),
                         ("exp_avg_sq", exp_avg_sq)):
             _check_device(t, what)
-        s = args["scalars"]
-        consts = adam_constants(step, lr, beta1, beta2, eps, weight_decay)
-        scalars = torch.stack([s[name].reshape(()) for name in _adam.SCALARS])
-        amax = _adam.adam_step(param, grad.detach(), exp_avg, exp_avg_sq, scalars, consts,
-                               exp_avg_fmt=args["fmt"], rounding=rounding, saturate=saturate,
+        s = scalars
+        packed = torch.stack([s[name].reshape(()) for name in _adam.SCALARS])
+        amax = _adam.adam_step(param, grad.detach(), exp_avg, exp_avg_sq, packed, consts,
+                               exp_avg_fmt=fmt, rounding=rounding, saturate=saturate,
                                seed=seed)
         return AdamStepResult(
             reciprocal(s["param_scale"]), reciprocal(s["exp_avg_scale"]),
