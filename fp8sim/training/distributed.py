@@ -551,25 +551,10 @@ class _RankRun:
                                 "mu_min": mu and mu[0], "mu_max": mu and mu[1]}
         return row
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        from fp8sim.training.data import get_batch
+        from fp8sim.training.trainer import mean_val_loss
 
-        cfg = self.cfg
-        self.model.eval()
-        if self.fp8 is not None:
-            self.fp8.observing = False
-        try:
-            losses = []
-            for i in range(cfg.eval_batches):
-                x, y = get_batch(self.corpus, "val", i, cfg.batch_size, cfg.model.block_size, cfg.seed)
-                with self._autocast():
-                    losses.append(float(self.model(x, y)[1]))
-        finally:
-            if self.fp8 is not None:
-                self.fp8.observing = True
-            self.model.train()
-        return sum(losses) / len(losses)
+        return mean_val_loss(self.model, self.corpus, self.cfg, self.fp8, self._autocast)
 
     def memory(self) -> dict:
         return memory_breakdown(self.model, None if self.zero else self.optimizer, reducer=self.reducer,

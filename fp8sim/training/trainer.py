@@ -33,7 +33,7 @@ from fp8sim.training.fp8_linear import convert_to_fp8, get_fp8_state
 from fp8sim.training.model import GPT, GPTConfig
 from fp8sim.training.recipes import get_recipe
 
-__all__ = ["TrainConfig", "Trainer", "memory_per_parameter", "read_metrics", "BACKENDS"]
+__all__ = ["TrainConfig", "Trainer", "mean_val_loss", "memory_per_parameter", "read_metrics", "BACKENDS"]
 
 BACKENDS = ("emulator", "torch", "triton")
 
@@ -120,6 +120,29 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a run directory?)")
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+@torch.no_grad()
+def mean_val_loss(model, corpus, cfg, fp8, autocast) -> float:
+    """Mean validation loss of ``model`` over ``cfg.eval_batches`` fixed batches of ``corpus``.
+
+    ``fp8`` (the converted model's FP8 state, or None) stops observing meanwhile, so evaluation
+    never updates scaling policies; ``autocast()`` gives the recipe's autocast context.
+    """
+    model.eval()
+    if fp8 is not None:
+        fp8.observing = False
+    try:
+        losses = []
+        for i in range(cfg.eval_batches):
+            x, y = get_batch(corpus, "val", i, cfg.batch_size, cfg.model.block_size, cfg.seed)
+            with autocast():
+                losses.append(float(model(x, y)[1]))
+    finally:
+        if fp8 is not None:
+            fp8.observing = True
+        model.train()
+    return sum(losses) / len(losses)
 
 
 class Trainer:
@@ -244,24 +267,9 @@ class Trainer:
             row.update(self.fp8.pop_events())
         return row
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_batches`` fixed batches (policies not updated)."""
-        cfg = self.cfg
-        self.model.eval()
-        if self.fp8 is not None:
-            self.fp8.observing = False
-        try:
-            losses = []
-            for i in range(cfg.eval_batches):
-                x, y = get_batch(self.corpus, "val", i, cfg.batch_size, cfg.model.block_size, cfg.seed)
-                with self._autocast():
-                    losses.append(float(self.model(x, y)[1]))
-        finally:
-            if self.fp8 is not None:
-                self.fp8.observing = True
-            self.model.train()
-        return sum(losses) / len(losses)
+        return mean_val_loss(self.model, self.corpus, self.cfg, self.fp8, self._autocast)
 
     def run(self, *, progress: bool | None = None, stop_after: int | None = None) -> dict:
         """Train from the current step to ``cfg.steps`` (or through ``stop_after``); returns the summary.
