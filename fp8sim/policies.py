@@ -359,6 +359,9 @@ class MSAMPScaling(ScalingPolicy):
         "margin": Param(0, "scale = 2**(floor(log2(fmax / amax)) - margin)"),
     }
     just_in_time = True
+    # Note: MS-AMP itself always uses margin 0 (its cast and optimizer update hard-code it);
+    # ``margin`` here applies to every scale this policy computes, the just-in-time warm-up
+    # scales included, so margin=0 reproduces MS-AMP and margin>0 is an fp8sim extension.
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
