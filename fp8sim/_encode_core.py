@@ -360,14 +360,19 @@ def encode_fast_kernel(xbits, out, p, emax_in, bias_in, mbits, emin, max_code, m
     n = xbits.size
     sbit = xbits.itemsize * 8 - 1  # the sign bit of the input word
     amask = (np.int64(1) << sbit) - 1 if sbit < 63 else np.int64(0x7FFFFFFFFFFFFFFF)
-    if mode == STOCHASTIC:
+    if mode == STOCHASTIC and use_rbits:
         for i in numba.prange(n):
             u = xbits[i]
-            s = np.int64(u >> sbit) & 1
-            a = np.int64(u) & amask
-            r = _random_word(i, rbits, use_rbits, k0, k1)
-            out[i] = _fast_code(s, a, p, emax_in, bias_in, mbits, emin, max_code, mag_bits,
-                                over_pos, over_neg, inf_res, nan_code, fz, STOCHASTIC, r, k)
+            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
+                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
+                                inf_res, nan_code, fz, STOCHASTIC, np.uint32(rbits[i]), k)
+    elif mode == STOCHASTIC:  # Philox inline, one word per flat index
+        for i in numba.prange(n):
+            u = xbits[i]
+            r = np.uint32(randint_scalar(k0, k1, i))
+            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
+                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
+                                inf_res, nan_code, fz, STOCHASTIC, r, k)
     elif mode == RNE:
         for i in numba.prange(n):
             u = xbits[i]

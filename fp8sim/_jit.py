@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import numba
 
-__all__ = ["jit_scalar", "jit_kernel", "jit_serial", "serial_twin", "PARALLEL_MIN_ELEMENTS"]
+__all__ = ["jit_scalar", "jit_inline", "jit_kernel", "jit_serial", "serial_twin", "PARALLEL_MIN_ELEMENTS"]
 
 _COMMON = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
 
 #: small scalar helpers, inlined by LLVM into the kernels that call them
 jit_scalar = numba.njit(**_COMMON)
+#: small scalar helpers inlined by numba itself (IR level) into their callers, for hot loops
+#: where LLVM would otherwise keep a call that stops vectorization
+jit_inline = numba.njit(inline="always", **_COMMON)
 #: array kernels that split a flat loop over threads with ``prange`` (disjoint writes only)
 jit_kernel = numba.njit(parallel=True, **_COMMON)
 #: serial array kernels (reductions whose order must be fixed)
