@@ -383,3 +383,18 @@ def test_get():
         backends.get("cuda")
     with pytest.raises(TypeError):
         backends.get(3)
+
+
+@pytest.mark.parametrize("scale", [0.0, float("inf")])
+@pytest.mark.parametrize("fmt", ["e5m2", "bf16", "e4m3"])
+def test_nan_made_by_the_scale_is_canonical(be, fmt, scale):
+    """x * scale can be NaN although x is not (inf * 0, 0 * inf): the codes must
+    still be the format's canonical NaN, as the emulator writes them."""
+    x = torch.tensor([float("inf"), float("-inf"), 1.0, 0.0, -2.0])
+    codes = quantize_or_raise(be, x, fmt, scale, "rne", True) if be.name != "torch" or \
+        torch_supports(fmt, "rne", True) else None
+    if codes is None:
+        return
+    with np.errstate(invalid="ignore"):
+        want = expect_codes(x, fmt, scale)
+    assert torch.equal(codes, want)

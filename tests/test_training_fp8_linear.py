@@ -149,10 +149,11 @@ def test_delayed_scaling_uses_previous_amax_and_eval_leaves_policies_alone():
     assert state.state_dict() == before and len(scales) == n
 
 
-def test_mx_forward_matches_block_reference():
-    model, layer = _layer(get_recipe("mx"), "emulator", k=64, n=32)
+@pytest.mark.parametrize("k", [64, 50])  # 50: a last MX block of 18 elements
+def test_mx_forward_matches_block_reference(k):
+    model, layer = _layer(get_recipe("mx"), "emulator", k=k, n=32)
     rng = np.random.default_rng(4)
-    x_np = (rng.standard_normal((5, 64)) * np.exp(rng.uniform(-6, 6, (5, 64)))).astype(np.float32)
+    x_np = (rng.standard_normal((5, k)) * np.exp(rng.uniform(-6, 6, (5, k)))).astype(np.float32)
 
     def mx_ref(a):  # one power-of-two scale X per 32 elements along rows; rceil: X >= amax / 448
         out = np.empty(a.shape, np.float64)
@@ -169,14 +170,18 @@ def test_mx_forward_matches_block_reference():
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-def test_mx_backward_close_to_float32():
+@pytest.mark.parametrize("m,k", [(32, 64), (35, 50), (50, 50)])  # ragged MX blocks on M and K
+def test_mx_backward_close_to_float32(m, k):
     # MX re-casts each operand along the reduction axis of each backward GEMM: gradients stay
     # within E4M3's precision (2**-4 relative per element) of the float32 gradients
-    model, layer = _layer(get_recipe("mx"), "emulator", k=64, n=64)
-    ref = nn.Linear(64, 64)
+    model, layer = _layer(get_recipe("mx"), "emulator", k=k, n=64)
+    ref = nn.Linear(k, 64)
     ref.load_state_dict({"weight": layer.weight.detach(), "bias": layer.bias.detach()})
-    x = torch.randn(32, 64)
-    gy = torch.randn(32, 64)
+    x = torch.randn(m, k)
+    x[:, 32:] *= 1000  # blocks of very different scale along K and M: a misplaced scale shows
+    x[32:, :] *= 1000
+    gy = torch.randn(m, 64)
+    gy[32:] *= 1000
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     model(x1).backward(gy)
     ref(x2).backward(gy)

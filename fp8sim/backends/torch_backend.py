@@ -143,9 +143,11 @@ class TorchBackend(Backend):
         fmt = get_format(fmt)
         s = as_scale(scale, tuple(x.shape), x.device)
         y = x.detach().to(torch.float32) * s
-        amax = self.amax(x)  # NaN-propagating: a NaN-free amax means a NaN-free y
+        amax = self.amax(x)  # NaN-propagating
+        # y is NaN-free when x is and the scale is finite and nonzero (else inf*0 = NaN)
+        clean_scale = bool(torch.isfinite(s).all()) and bool((s != 0).all())
         codes = _cast(y, fmt, rounding, saturate, seed, srbits,
-                      may_have_nan=bool(torch.isnan(amax)))
+                      may_have_nan=bool(torch.isnan(amax)) or not clean_scale)
         return codes, reciprocal(s), amax
 
     def dequantize(

@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from fp8sim.formats import FloatFormat, get_format
+from fp8sim.scaling import MX_BLOCK
 from fp8sim.trace import cast_thresholds
 from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe
 
@@ -205,9 +206,11 @@ def _dequantize_blocks(op: Fp8Operand) -> torch.Tensor:
     if op.granularity == "tensor":
         return values * op.scale_inv
     R, C = values.shape
-    sinv = op.scale_inv.reshape(R, -1)  # (R, C / 32)
-    block = C // sinv.shape[1]
-    return (values.view(R, -1, block) * sinv[:, :, None]).view(R, C)
+    sinv = op.scale_inv.reshape(R, -1)  # (R, ceil(C / 32)): 32-element blocks, the last shorter
+    if sinv.shape[1] != -(-C // MX_BLOCK):
+        raise ValueError(f"MX operand: {sinv.shape[1]} scales per row for {C} columns "
+                         f"(expected ceil({C}/{MX_BLOCK}) = {-(-C // MX_BLOCK)})")
+    return values * torch.repeat_interleave(sinv, MX_BLOCK, dim=1)[:, :C]
 
 
 class _Fp8LinearFunction(torch.autograd.Function):

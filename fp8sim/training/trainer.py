@@ -216,6 +216,10 @@ class Trainer:
                 f.write(json.dumps(r) + "\n")
 
     def save(self, step: int) -> None:
+        """Checkpoint after ``step``. The trace is flushed first, so a checkpoint never points
+        past the steps the trace holds (steps after it are re-run, and re-recorded, on resume)."""
+        if self.recorder is not None:
+            self.recorder.flush()
         save_checkpoint(
             self.out,
             step=step,
