@@ -395,20 +395,45 @@ def _torch_reader(t: Any, dtype: str, mmapped: bool):
     return read
 
 
-def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]], skipped: list, depth: int = 0) -> None:
+#: most container entries and tensors a .pt may hold (a pickle of shared references can
+#: describe an exponentially large tree in a few KB)
+MAX_PT_NODES = 100_000
+
+
+def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]], skipped: list, depth: int = 0,
+             seen: dict[int, str] | None = None, budget: list[int] | None = None,
+             path: str = "") -> None:  # fmt: skip
+    """Dotted (name, tensor) pairs of a loaded .pt object. A container or tensor reached again
+    through a shared reference is reported once, under its first name (later names are noted
+    in ``skipped``). More than :data:`MAX_PT_NODES` entries raise ValueError naming ``path``."""
     import torch
 
+    if seen is None:
+        seen = {}
+    if budget is None:
+        budget = [MAX_PT_NODES]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError(f"{path}: more than {MAX_PT_NODES} entries in the .pt object; refused")
     if depth > 64:
         skipped.append((prefix, "nested too deeply"))
         return
+    if isinstance(obj, (torch.Tensor, np.ndarray)) or (isinstance(obj, (dict, list, tuple)) and obj):
+        first = seen.get(id(obj))
+        if first is not None:
+            skipped.append((prefix or "value", f"same object as {first or '(root)'}"))
+            return
+        seen[id(obj)] = prefix
     if isinstance(obj, torch.Tensor):
         out.append((prefix or "tensor", obj))
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out, skipped, depth + 1)
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out, skipped, depth + 1, seen,
+                     budget, path)  # fmt: skip
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out, skipped, depth + 1)
+            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out, skipped, depth + 1, seen,
+                     budget, path)  # fmt: skip
     elif isinstance(obj, np.ndarray):
         out.append((prefix or "array", torch.from_numpy(obj)))
     else:
@@ -446,7 +471,7 @@ def _open_pt(path: str) -> Dump:
         raise ValueError(f"{path}: corrupt or truncated torch file ({msg})") from None
     pairs: list[tuple[str, Any]] = []
     skipped: list[tuple[str, str]] = []
-    _flatten(obj, "", pairs, skipped)
+    _flatten(obj, "", pairs, skipped, path=path)
     tensors = []
     for name, t in pairs:
         dtype = _torch_dtype_name(t.dtype)

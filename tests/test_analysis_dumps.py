@@ -228,3 +228,26 @@ def test_large_file_memory_is_bounded(tmp_path, kind):
     assert numel == n
     print(f"RSS {kind}: {base} MiB before, peak {peak} MiB while analyzing a 64 MiB file")
     assert peak - base < 40, (base, peak)
+
+
+def test_pt_shared_references_reported_once_and_capped(tmp_path):
+    # a few KB describing 2**40 paths: must not be walked path by path
+    t = torch.arange(3, dtype=torch.float32)
+    dag = [t]
+    for _ in range(40):
+        dag = [dag, dag]
+    f = tmp_path / "dag.pt"
+    torch.save(dag, f)
+    d = open_dump(f)
+    assert [s.name for s in d.tensors] == ["0." * 40 + "0"]
+    assert np.array_equal(d.tensors[0].read_all(), [0, 1, 2])
+    # a shared tensor under two names: reported once, under its first name
+    f2 = tmp_path / "shared.pt"
+    torch.save({"a": t, "b": t}, f2)
+    d2 = open_dump(f2)
+    assert [s.name for s in d2.tensors] == ["a"] and d2.skipped[0][0] == "b"
+    # many distinct entries: refused with one line naming the file
+    f3 = tmp_path / "wide.pt"
+    torch.save([[i] for i in range(60_000)], f3)
+    with pytest.raises(ValueError, match="wide.pt.*entries"):
+        open_dump(f3)
