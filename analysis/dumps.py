@@ -474,6 +474,9 @@ def _open_pt(path: str) -> Dump:
     _flatten(obj, "", pairs, skipped, path=path)
     tensors = []
     for name, t in pairs:
+        if t.layout != torch.strided:
+            skipped.append((name, f"{str(t.layout).replace('torch.', '')} tensor (only dense tensors are read)"))
+            continue
         dtype = _torch_dtype_name(t.dtype)
         reader = _torch_reader(t, dtype, mmapped) if dtype in FLOAT_DTYPES else None
         tensors.append(TensorSource(name, path, tuple(t.shape), dtype, reader))
@@ -516,7 +519,12 @@ def open_dump(path: str | os.PathLike) -> Dump:
     p = str(path)
     if os.path.isdir(p):
         if is_trace(p):
-            return _open_trace(p)
+            try:
+                return _open_trace(p)
+            except ValueError:
+                raise
+            except Exception as exc:
+                raise ValueError(f"{p}: {type(exc).__name__}: {_first_line(exc)}") from None
         raise ValueError(f"{p}: a directory that is not an fp8sim trace; use expand_paths")
     if not os.path.exists(p):
         raise ValueError(f"{p}: no such file")
@@ -529,8 +537,17 @@ def open_dump(path: str | os.PathLike) -> Dump:
         )
     try:
         return opener(p)
+    except ValueError:
+        raise
     except OSError as exc:
         raise ValueError(f"{p}: cannot read ({exc.strerror or exc})") from None
+    except Exception as exc:  # RecursionError, NotImplementedError, ...: still one line
+        raise ValueError(f"{p}: {type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 def expand_paths(paths: list[str | os.PathLike]) -> list[str]:

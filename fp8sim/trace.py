@@ -860,15 +860,26 @@ class TraceReader:
             raise ValueError(f"{meta_path}: not an fp8sim trace (schema != {SCHEMA!r})")
         if meta.get("version") != VERSION:
             raise ValueError(f"{meta_path}: trace version {meta.get('version')}, expected {VERSION}")
+        try:
+            config = meta.get("config", {})
+            rounding = meta.get("rounding", "rne")
+            hist_bits = meta["hist"]["mantissa_bits"]
+            if isinstance(hist_bits, bool) or not isinstance(hist_bits, int):
+                raise TypeError(f"hist.mantissa_bits {hist_bits!r} is not an int")
+            formats = [str(f) for f in meta.get("formats", [])]
+            tensors = [
+                TensorInfo(str(t["name"]), str(t["role"]), str(t["format"]),
+                           tuple(int(n) for n in t["shape"]), i)  # fmt: skip
+                for i, t in enumerate(meta.get("tensors", []))
+            ]
+        except Exception as exc:  # missing keys, wrong types: one line naming the file
+            raise ValueError(f"{meta_path}: corrupt trace.json: {type(exc).__name__}: {exc}") from None
         self.meta = meta
-        self.config = meta.get("config", {})
-        self.rounding = meta.get("rounding", "rne")
-        self.hist_mantissa_bits = int(meta["hist"]["mantissa_bits"])
-        self.formats = list(meta.get("formats", []))
-        self.tensors = [
-            TensorInfo(t["name"], t["role"], t["format"], tuple(t["shape"]), i)
-            for i, t in enumerate(meta.get("tensors", []))
-        ]
+        self.config = config
+        self.rounding = rounding
+        self.hist_mantissa_bits = hist_bits
+        self.formats = formats
+        self.tensors = tensors
         self._by_name = {t.name: t for t in self.tensors}
         self._cache: tuple[Path, dict[str, np.ndarray]] | None = None
 
@@ -896,10 +907,27 @@ class TraceReader:
         n = cols["step"].size
         if any(cols[c].shape != (n,) for c in SCALAR_COLUMNS) or cols["hist_offsets"].size != n + 1:
             raise ValueError(f"{path}: trace chunk columns differ in length")
+        if any(cols[c].dtype.kind not in "iu" for c in ("tensor", "format", "hist_offsets")):
+            raise ValueError(f"{path}: trace chunk index columns are not integers")
         if cols["tensor"].size and int(cols["tensor"].max()) >= len(self.tensors):
             self.refresh()  # written after we read trace.json
             if int(cols["tensor"].max()) >= len(self.tensors):
                 raise ValueError(f"{path}: chunk names a tensor missing from trace.json")
+        if cols["tensor"].size and int(cols["tensor"].min()) < 0:
+            raise ValueError(f"{path}: corrupt trace chunk: negative tensor index")
+        if cols["format"].size and (
+            int(cols["format"].min()) < 0 or int(cols["format"].max()) >= len(self.formats)
+        ):
+            raise ValueError(
+                f"{path}: corrupt trace chunk: format index outside 0..{len(self.formats) - 1}"
+            )
+        off = cols["hist_offsets"]
+        nb = cols["hist_bins"].size
+        if (
+            off.size == 0 or int(off[0]) < 0 or int(off[-1]) > nb
+            or cols["hist_counts"].size != nb or (np.diff(off) < 0).any()
+        ):  # fmt: skip
+            raise ValueError(f"{path}: corrupt trace chunk: histogram offsets out of order or range")
         self._cache = (path, cols)
         return cols
 

@@ -251,3 +251,38 @@ def test_pt_shared_references_reported_once_and_capped(tmp_path):
     torch.save([[i] for i in range(60_000)], f3)
     with pytest.raises(ValueError, match="wide.pt.*entries"):
         open_dump(f3)
+
+
+def _patch_central_dir(path, flag_or=0, method=None):
+    raw = bytearray(path.read_bytes())
+    i = raw.find(b"PK\x01\x02")
+    while i >= 0:
+        raw[i + 8] |= flag_or
+        if method is not None:
+            raw[i + 10 : i + 12] = method.to_bytes(2, "little")
+        i = raw.find(b"PK\x01\x02", i + 4)
+    path.write_bytes(bytes(raw))
+
+
+def test_odd_bad_files_give_one_line_valueerror(tmp_path):
+    st = tmp_path / "deep.safetensors"
+    header = b"[" * 200_000
+    st.write_bytes(len(header).to_bytes(8, "little") + header)
+    enc, meth = tmp_path / "enc.npz", tmp_path / "meth.npz"
+    for f in (enc, meth):
+        np.savez(f, a=np.ones(3, np.float32))
+    _patch_central_dir(enc, flag_or=1)  # "encrypted"
+    _patch_central_dir(meth, method=99)  # an unknown compression method
+    for f in (st, enc, meth):
+        with pytest.raises(ValueError) as ei:
+            open_dump(f)
+        msg = str(ei.value)
+        assert msg.startswith(str(f)) and "\n" not in msg
+
+
+def test_pt_sparse_tensor_is_skipped_with_a_note(tmp_path):
+    f = tmp_path / "sp.pt"
+    torch.save({"s": torch.eye(3).to_sparse(), "d": torch.ones(2)}, f)
+    d = open_dump(f)
+    assert [t.name for t in d.tensors] == ["d"]
+    assert d.skipped[0][0] == "s" and "sparse" in d.skipped[0][1]

@@ -323,3 +323,33 @@ def test_count_scaled_above(data):
             p = (a.astype(np.float32) * np.float32(s)).astype(np.float64)
             lo, hi = h.count_scaled_above(t, s)
             assert lo <= int((p > t).sum()) <= hi
+
+
+def test_corrupt_trace_json_and_chunk_columns_raise_valueerror(tmp_path):
+    _write(tmp_path / "t", steps=3, chunk_steps=3)
+    meta_path = tmp_path / "t" / "trace.json"
+    meta = json.loads(meta_path.read_text())
+    bad = dict(meta)
+    del bad["hist"]
+    meta_path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="trace.json"):
+        TraceReader(tmp_path / "t")
+    bad = json.loads(json.dumps(meta))
+    del bad["tensors"][0]["role"]
+    meta_path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="trace.json"):
+        TraceReader(tmp_path / "t")
+    meta_path.write_text(json.dumps(meta))
+    (chunk,) = TraceReader(tmp_path / "t").chunk_files
+    with np.load(chunk) as z:
+        good = {k: z[k] for k in z.files}
+    for col, fix in (("tensor", -1), ("format", 7), ("hist_offsets", None)):
+        cols = {k: v.copy() for k, v in good.items()}
+        if fix is None:
+            cols[col][1] = cols[col][-1] + 5  # beyond the bins, then decreasing
+        else:
+            cols[col][0] = fix
+        with open(chunk, "wb") as f:
+            np.savez(f, **cols)
+        with pytest.raises(ValueError, match="corrupt trace chunk"):
+            list(TraceReader(tmp_path / "t").records())
