@@ -223,17 +223,24 @@ def run_analyze(args: argparse.Namespace) -> int:
     if args.chunk < 1 or args.top < 0:
         raise ValueError("--chunk must be >= 1 and --top >= 0")
     plot_dir = _plot_dir(args.plot)
-    paths = expand_paths(args.paths)
-    if not paths:
-        raise ValueError(f"no dump files found in {', '.join(args.paths)}")
-
     errors: list[dict] = []
 
     def bad(path: str, exc: Exception) -> None:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if not reason.startswith(path):
+            reason = f"{path}: {reason}"
         if not args.keep_going:
-            raise ValueError(reason if reason.startswith(path) else f"{path}: {reason}")
+            raise ValueError(reason)
         errors.append({"file": path, "reason": reason})
+
+    paths = []
+    for given in args.paths:
+        try:
+            paths.extend(expand_paths([given]))
+        except ValueError as exc:  # a missing path: with --keep-going, listed and skipped
+            bad(given, exc)
+    if not paths and not errors:
+        raise ValueError(f"no dump files found in {', '.join(args.paths)}")
 
     dumps = []
     for path in paths:
@@ -253,7 +260,12 @@ def run_analyze(args: argparse.Namespace) -> int:
             for name, reason in dump.skipped:
                 notes.append({"file": dump.path, "name": name, "note": f"skipped: {reason}"})
             if dump.trace is not None:
-                rows, heat = _trace_rows(dump, th)
+                try:
+                    rows, heat = _trace_rows(dump, th)
+                except ValueError as exc:  # a corrupt chunk: the other files still go on
+                    bad(dump.path, exc)
+                    rows, heat = None, None
+            if dump.trace is not None and rows is not None:
                 traces.append({"path": dump.path, "config": dump.trace.config, "tensors": rows})
                 if plot_dir and heat["steps"].size:
                     from analysis.plots import plot_heatmap, safe_name

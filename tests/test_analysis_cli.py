@@ -171,3 +171,22 @@ def test_classify_and_rules():
         parse_fail_on("nan>1%")
     with pytest.raises(ValueError):
         parse_fail_on("")
+
+
+def test_keep_going_past_missing_path_and_corrupt_trace_chunk(dumps, tmp_path, capsys):
+    tr = tmp_path / "tr"
+    with TraceWriter(tr, {}) as tw:
+        tw.add_tensor("w", "weight", "e4m3", (4,))
+        tw.record(0, "w", np.ones(4, np.float32), scale=1.0)
+    (chunk,) = (tr / "chunks").iterdir()
+    chunk.write_bytes(b"PK\x03\x04 not a zip")
+    js = tmp_path / "k.json"
+    rc, out, err = run(capsys, "analyze", str(tmp_path / "missing.npy"), str(tr),
+                       str(dumps / "tiny.npy"), "--keep-going", "--json", str(js))  # fmt: skip
+    assert rc == 2
+    doc = json.loads(js.read_text())
+    assert {r["name"] for r in doc["records"]} == {"tiny"}
+    files = sorted(e["file"] for e in doc["errors"])
+    assert files == sorted([str(tmp_path / "missing.npy"), str(tr)])
+    rc, _, err = run(capsys, "analyze", str(tr))  # without --keep-going: one line, exit 2
+    assert rc == 2 and str(tr) in err and err.count("\n") == 1
