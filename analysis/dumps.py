@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import mmap
 import os
 import pickle
@@ -62,6 +63,19 @@ _ITEMSIZE = {
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }  # fmt: skip
 _RAW = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64}
+
+
+def _checked_numel(shape: Any, where: str) -> tuple[tuple[int, ...], int]:
+    """(shape as a tuple of ints, element count) of a shape read from a file. Entries must be
+    non-negative ints (not bools, not floats); the count is an exact Python int (never wraps).
+    Raises ValueError ``"<where>: corrupt: ..."`` otherwise."""
+    if not isinstance(shape, (list, tuple)) or not all(
+        isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) and s >= 0
+        for s in shape
+    ):
+        raise ValueError(f"{where}: corrupt: shape {shape!r} is not a list of non-negative ints")
+    shape = tuple(int(s) for s in shape)
+    return shape, math.prod(shape)
 
 
 def _widen(raw: np.ndarray, dtype: str) -> np.ndarray:
@@ -185,18 +199,20 @@ def _open_safetensors(path: str) -> Dump:
         if name == "__metadata__":
             continue
         try:
-            st_dtype, shape = info["dtype"], tuple(int(s) for s in info["shape"])
-            begin, end = (int(v) for v in info["data_offsets"])
+            st_dtype, raw_shape = info["dtype"], info["shape"]
+            begin, end = info["data_offsets"]
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (begin, end)):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}: corrupt safetensors header entry {name!r}") from None
+        shape, numel = _checked_numel(raw_shape, f"{path}: {name!r}")
         dtype = _ST_DTYPES.get(st_dtype)
         if dtype is None:
             skipped.append((name, f"unsupported dtype {st_dtype}"))
             continue
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if any(s < 0 for s in shape) or end - begin != numel * _ITEMSIZE[dtype] or begin < 0:
+        if end - begin != numel * _ITEMSIZE[dtype] or begin < 0:
             raise ValueError(
-                f"{path}: corrupt safetensors: {name!r} has {end - begin} bytes for shape "
+                f"{path}: corrupt: safetensors {name!r} has {end - begin} bytes for shape "
                 f"{list(shape)} of {st_dtype}"
             )
         if end > data_size:
@@ -257,8 +273,14 @@ def _open_npy(path: str) -> Dump:
         shape, fortran, dt = _npy_header(f, path)
         offset = f.tell()
     name, raw = _np_dtype_name(dt)
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    have = os.path.getsize(path) - offset
+    shape, numel = _checked_numel(shape, path)
+    size = os.path.getsize(path)
+    have = size - offset
+    if numel * dt.itemsize > size:
+        raise ValueError(
+            f"{path}: corrupt: shape {list(shape)} of {dt.name} needs {numel * dt.itemsize} "
+            f"bytes, the file has {size}"
+        )
     if have < numel * dt.itemsize:
         raise ValueError(
             f"{path}: truncated .npy: {numel * dt.itemsize} data bytes expected, {have} present"
@@ -331,10 +353,11 @@ def _open_npz(path: str) -> Dump:
             except (zipfile.BadZipFile, OSError, EOFError) as exc:
                 raise ValueError(f"{path}: corrupt .npz member {info.filename} ({exc})") from None
             name, raw = _np_dtype_name(dt)
-            numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            shape, numel = _checked_numel(shape, f"{path}:{info.filename}")
             if info.file_size - header_len != numel * dt.itemsize:
                 raise ValueError(
-                    f"{path}: corrupt .npz member {info.filename}: size does not match shape"
+                    f"{path}: corrupt: .npz member {info.filename}: size does not match shape "
+                    f"{list(shape)}"
                 )
             reader = None
             if raw is not None:

@@ -286,3 +286,33 @@ def test_pt_sparse_tensor_is_skipped_with_a_note(tmp_path):
     d = open_dump(f)
     assert [t.name for t in d.tensors] == ["d"]
     assert d.skipped[0][0] == "s" and "sparse" in d.skipped[0][1]
+
+
+def _st_raw(path, entry, data=b""):
+    import json as _json
+
+    header = _json.dumps({"x": entry}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+@pytest.mark.parametrize(
+    "shape, offsets",
+    [([2**32, 2**32], [0, 0]),  # 2**64 elements: np.prod in int64 wraps to 0
+     ([2.7], [0, 8]), ([True], [0, 4]), ([-1, -1], [0, 4])],
+)  # fmt: skip
+def test_safetensors_bad_shapes_are_corrupt(tmp_path, shape, offsets):
+    f = tmp_path / "s.safetensors"
+    _st_raw(f, {"dtype": "F32", "shape": shape, "data_offsets": offsets}, b"\0" * 8)
+    with pytest.raises(ValueError, match=r"s\.safetensors.*corrupt"):
+        open_dump(f)
+
+
+def test_npy_shape_overflowing_int64_is_corrupt(tmp_path):
+    f = tmp_path / "big.npy"
+    with open(f, "wb") as fh:
+        np.lib.format.write_array_header_1_0(
+            fh, {"descr": "<f4", "fortran_order": False, "shape": (2**32, 2**32)}
+        )
+        fh.write(b"\0" * 16)
+    with pytest.raises(ValueError, match=r"big\.npy: corrupt"):
+        open_dump(f)
