@@ -90,6 +90,14 @@ def _num(v: Any, fmt: str = ".3g") -> str:
     return format(v, fmt)
 
 
+def _sqnr_cell(r: dict[str, Any]) -> str:
+    """SQNR in dB; ``exact`` only for a record without any error (rel_mse 0), ``-`` when the
+    SQNR is undefined (no signal, or not computable)."""
+    if r["sqnr_db"] is not None:
+        return _num(r["sqnr_db"], ".1f")
+    return "exact" if r.get("rel_mse") == 0 else "-"
+
+
 def _pct(count: int, pct: float) -> str:
     if count == 0:
         return "0"
@@ -128,7 +136,7 @@ def format_table(records: list[dict[str, Any]], *, limit: int | None = None) -> 
                 _pct(r["overflow"], r["overflow_pct"]),
                 _pct(r["underflow"], r["underflow_pct"]),
                 _pct(r["subnormal"], r["subnormal_pct"]),
-                _num(r["sqnr_db"], ".1f") if r["sqnr_db"] is not None else "exact",
+                _sqnr_cell(r),
             ]
         )
     text = _table(headers, rows, right={4, 5, 6, 7, 8, 9, 10})

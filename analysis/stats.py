@@ -155,6 +155,12 @@ def _parts(n: int) -> int:
 #: elements per inner block: the float64 scratch buffers stay in L1
 _BLOCK = 2048
 _SKIP = 0xFFFFFFFF  # "no histogram entry" marker (zero, NaN, inf)
+# squares of |v| >= _BIG (float64 only) could overflow a sum: they are summed as (v * _DOWN)^2
+# in a second, "high" sum worth _DOWN**-2 = 2**_HIGH_EXP times its value (see _combine); the
+# low sum stays below 2**1023 for up to 2**63 elements, the high one too
+_BIG = 2.0**480
+_DOWN = 2.0**-540
+_HIGH_EXP = 1080
 _SUB = 0xFFFFFFFE  # "float32 subnormal: find the bin in the scatter loop" marker
 
 
@@ -190,6 +196,7 @@ def _scan_block(xs, buf, ubuf, log2):
     inf = 0
     zero = 0
     mxb = np.uint32(0)
+    big = 0
     for k in range(m):
         v = np.float64(xs[k])
         ax = abs(v)
@@ -198,7 +205,15 @@ def _scan_block(xs, buf, ubuf, log2):
         zero += np.int64(v == 0.0)
         u = _f32_bits(np.float32(ax))
         mxb = max(mxb, u & (np.uint32(0) - np.uint32(ax < np.inf)))  # finite x only
-        buf[k] = v * v if ax < np.inf else 0.0
+        big += np.int64(ax >= _BIG) & np.int64(ax < np.inf)
+        buf[k] = v * v if ax < _BIG else 0.0
+    sqh = 0.0
+    if big:  # rare: float64 values whose squares overflow
+        for k in range(m):
+            ax = abs(np.float64(xs[k]))
+            if ax >= _BIG and ax < np.inf:
+                w = ax * _DOWN
+                sqh += w * w
     top = np.uint32(EXPONENT_MAX - EXPONENT_MIN)
     for k in range(m):
         v = np.float64(xs[k])
@@ -226,7 +241,7 @@ def _scan_block(xs, buf, ubuf, log2):
                 e += 1
             b = np.uint32(e - EXPONENT_MIN)
         log2[k & 3, b] += 1
-    return nan, inf, zero, mxb, sq
+    return nan, inf, zero, mxb, sq, sqh
 
 
 @jit_serial
@@ -257,6 +272,7 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
     over = 0
     under = 0
     sub = 0
+    big = 0
     for k in range(m):
         ax = abs(np.float64(xs[k]))
         fin = np.int64(ax < np.inf)
@@ -271,8 +287,25 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
         sub += fin & np.int64(qb != 0) & np.int64(qb < minnorm_bits)
         qb = max_bits if ovb else qb
         d = np.float64(np.float32(_bits_f32(qb) * si)) - ax
-        buf[k] = d * d if fin else 0.0
-    return over, under, sub, _sum4(buf, m)
+        big += fin & np.int64(abs(d) >= _BIG)
+        buf[k] = d * d if abs(d) < _BIG else 0.0
+    qh = 0.0
+    if big:  # rare: float64 errors whose squares overflow (same cast as above)
+        for k in range(m):
+            ax = abs(np.float64(xs[k]))
+            if not ax < np.inf:
+                continue
+            a = np.float32(np.float32(ax) * sc)
+            u = _f32_bits(a)
+            ur = np.uint32((u + half_m1 + ((u >> shift) & np.uint32(1))) & keep)
+            us = _f32_bits((a + csub) - csub)
+            qb = us if u < minnorm_bits else ur
+            qb = max_bits if qb > max_bits else qb
+            d = abs(np.float64(np.float32(_bits_f32(qb) * si)) - ax)
+            if d >= _BIG:
+                w = d * _DOWN
+                qh += w * w
+    return over, under, sub, _sum4(buf, m), qh
 
 
 @jit_serial
@@ -285,9 +318,11 @@ def _part_a(x, s, e, i0, ncols, gran, local_off, log2, gamax, gnan):
     zero = 0
     mxb = np.uint32(0)
     sq = 0.0
+    sqh = 0.0
     for b0 in range(s, e, _BLOCK):
         b1 = min(e, b0 + _BLOCK)
-        n1, n2, n3, mb, q = _scan_block(x[b0:b1], buf, ubuf, log2)
+        n1, n2, n3, mb, q, qh = _scan_block(x[b0:b1], buf, ubuf, log2)
+        sqh += qh
         nan += n1
         inf += n2
         zero += n3
@@ -316,7 +351,7 @@ def _part_a(x, s, e, i0, ncols, gran, local_off, log2, gamax, gnan):
             i += seg
             r += 1
             c = 0
-    return nan, inf, zero, mxb, sq
+    return nan, inf, zero, mxb, sq, sqh
 
 
 def _run_parts(fn, n: int, n_parts: int, make_args) -> None:
@@ -348,7 +383,7 @@ def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
     gran[g] = (R, C, Gc, first grid row of this chunk); granularity g's local grid starts at
     local_off[g] in a per-part buffer of n_local entries.
     Returns per part: counts (P, 3) = nan, inf, zero; amax bits (P,) (float32 bits of the max
-    finite |float32(x)|); sig2 (P,) = sum x^2 over finite; log2 (P, 4, n_log2);
+    finite |float32(x)|); sig2 (P, 2) = sum x^2 over finite as a (low, high) pair (see _combine); log2 (P, 4, n_log2);
     gamax (P, n_local) group amax as float32 bits (NaN skipped); gnan (P, n_local) NaN counts.
     """
     log2 = np.zeros((n_parts, 4, EXPONENT_MAX - EXPONENT_MIN + 1), np.int64)
@@ -360,7 +395,7 @@ def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
     )  # fmt: skip
     counts = np.array([o[:3] for o in out], np.int64).reshape(n_parts, 3)
     amax = np.array([o[3] for o in out], np.uint32)
-    sig2 = np.array([o[4] for o in out], np.float64)
+    sig2 = np.array([(o[4], o[5]) for o in out], np.float64).reshape(n_parts, 2)
     return counts, amax, sig2, log2, gamax, gnan
 
 
@@ -398,14 +433,15 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, counts, err2):
                 else:
                     for b0 in range(a0, a1, _BLOCK):
                         b1 = min(a1, b0 + _BLOCK)
-                        o, u, sb, q = _cast_block(
+                        o, u, sb, q, qh = _cast_block(
                             x[b0:b1], sc, si, shift, half_m1, keep, max_bits, minnorm_bits,
                             csub, buf,
                         )  # fmt: skip
                         counts[v, 0] += o
                         counts[v, 1] += u
                         counts[v, 2] += sb
-                        err2[v] += q
+                        err2[v, 0] += q
+                        err2[v, 1] += qh
                 cc = stop
         i += seg
         r += 1
@@ -419,11 +455,12 @@ def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts):
     float32 bits of fmt.min_normal, first grid row of the chunk); vflt[v] = (2**(emin - m + 23),
     fmt.max, fmt.min_normal). scales / sinvs: each variant's scale grid rows that the chunk
     touches, flat (float32), variant v's from offset vint[v, 3]. Returns per part:
-    counts (P, V, 4) = overflow, underflow, subnormal, lost; err2 (P, V) = sum (deq - x)^2.
+    counts (P, V, 4) = overflow, underflow, subnormal, lost; err2 (P, V, 2) = sum (deq - x)^2
+    as (low, high) pairs.
     """
     nv = vint.shape[0]
     counts = np.zeros((n_parts, nv, 4), np.int64)
-    err2 = np.zeros((n_parts, nv), np.float64)
+    err2 = np.zeros((n_parts, nv, 2), np.float64)
     _run_parts(
         _part_b, x.size, n_parts,
         lambda p, s, e: (x, s, e, i0, ncols, vint, vflt, scales, sinvs, counts[p], err2[p]),
@@ -486,7 +523,8 @@ class TensorStats:
         """One JSON-ready dict per variant: name, shape, dtype, numel, format, scaling, amax,
         scale, overflow, underflow, subnormal, nan, inf, sqnr_db, rel_mse, plus file, zero,
         scale_max, lost and the shares (percent: overflow of finite, underflow and subnormal
-        of nonzero). Non-finite floats become None (sqnr_db None: no error at all)."""
+        of nonzero). Non-finite floats become None (sqnr_db None with rel_mse 0: no error at all;
+        both None: undefined)."""
         out = []
         for v in self.variants:
             out.append(
@@ -516,6 +554,23 @@ class TensorStats:
                 }
             )
         return out
+
+
+def _mant_exp(pair: np.ndarray) -> tuple[float, int]:
+    """A (low, high) sum pair as ``m * 2**e``: the high sum counts 2**_HIGH_EXP times its value."""
+    lo, hi = float(pair[0]), float(pair[1])
+    if hi > 0:
+        return hi + math.ldexp(lo, -_HIGH_EXP), _HIGH_EXP
+    return lo, 0
+
+
+def _combine(pair: np.ndarray) -> float:
+    """The value of a (low, high) sum pair (inf when beyond float64)."""
+    m, e = _mant_exp(pair)
+    try:
+        return math.ldexp(m, e)
+    except OverflowError:
+        return math.inf
 
 
 def _finite_or_none(v: float) -> float | None:
@@ -577,7 +632,7 @@ def tensor_stats(
     # ---- pass A ----
     counts = np.zeros(3, np.int64)
     amax_bits = np.uint32(0)
-    sig2 = 0.0
+    sig2 = np.zeros(2, np.float64)  # (low sum, high sum): see _combine
     log2 = np.zeros(_N_LOG2, np.int64)
     for start in range(0, numel, chunk):
         xc = read(start, min(numel, start + chunk))
@@ -597,7 +652,7 @@ def tensor_stats(
         )
         counts += cnt.sum(axis=0)
         amax_bits = max(amax_bits, am.max())
-        sig2 += float(sq.sum())
+        sig2 += sq.sum(axis=0)
         log2 += lg.sum(axis=(0, 1))
         for k, g in enumerate(grans):
             if g.kind == "tensor":  # NaN skipped, an inf counts (as quantize_scaled does)
@@ -613,7 +668,7 @@ def tensor_stats(
             progress(xc.size)
     res.nan, res.inf, res.zero = (int(v) for v in counts)
     res.amax = float(np.array([amax_bits], np.uint32).view(np.float32)[0])
-    res.sig2, res.log2_counts = sig2, log2
+    res.sig2, res.log2_counts = _combine(sig2), log2
 
     # ---- pass B, with each chunk's scales from the scaling module's own rules ----
     # (scales are made per chunk, for the grid rows the chunk touches: an MX scale grid of a
@@ -651,7 +706,7 @@ def tensor_stats(
         return mult, (np.float32(1) / mult).astype(np.float32)
 
     vcounts = np.zeros((len(variants), 4), np.int64)
-    verr = np.zeros(len(variants), np.float64)
+    verr = np.zeros((len(variants), 2), np.float64)
     smin = np.full(len(variants), np.inf)
     smax = np.full(len(variants), -np.inf)
     for start in range(0, numel if variants else 0, chunk):
@@ -679,13 +734,20 @@ def tensor_stats(
         if progress is not None:
             progress(xc.size)
 
+    s_m, s_e = _mant_exp(sig2)
     for k, v in enumerate(variants):
-        e2 = float(verr[k])
-        if e2 == 0.0:
+        e_m, e_e = _mant_exp(verr[k])
+        e2 = _combine(verr[k])
+        if e_m == 0.0:
             sqnr, rel = math.inf, 0.0
+        elif s_m > 0:
+            sqnr = 10.0 * (math.log10(s_m / e_m) + (s_e - e_e) * math.log10(2.0))
+            try:
+                rel = math.ldexp(e_m / s_m, e_e - s_e)
+            except OverflowError:
+                rel = math.inf
         else:
-            sqnr = 10.0 * math.log10(sig2 / e2) if sig2 > 0 else -math.inf
-            rel = e2 / sig2 if sig2 > 0 else math.inf
+            sqnr, rel = -math.inf, math.inf
         res.variants.append(
             VariantStats(
                 format=v.fmt.name,

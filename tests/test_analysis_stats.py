@@ -151,3 +151,29 @@ def test_records_and_variants_parsing():
         parse_variants(["e4m3"], ["diagonal"])
     with pytest.raises(ValueError, match="mx"):
         parse_variants(["e4m3"], ["mx"], margin=1)
+
+
+def test_sqnr_of_huge_float64_values_stays_defined():
+    # x^2 overflows float64 beyond ~1.3e154; e4m3 without scaling saturates them to +-448
+    x = np.array([1e200, -3e180, 2.0, 0.5, 7e160], np.float64)
+    st = tensor_stats(x, parse_variants(["e4m3"], ["none"]))
+    (r,) = st.variants
+    deq = np.array([448.0, -448.0, 2.0, 0.5, 448.0])  # hand values (saturating cast)
+    a = 1e200  # scaled reference sums stay finite
+    sig = math.fsum(((x / a) ** 2).tolist())
+    err = math.fsum((((deq - x) / a) ** 2).tolist())
+    assert r.sqnr_db == pytest.approx(10 * math.log10(sig / err), rel=1e-9, abs=1e-9)
+    assert r.rel_mse == pytest.approx(err / sig, rel=1e-9)
+    rec = st.records()[0]
+    assert rec["sqnr_db"] is not None and rec["rel_mse"] is not None
+
+
+def test_table_never_shows_exact_for_an_undefined_sqnr():
+    from analysis.report import format_table
+
+    base = {"status": "ok", "name": "t", "format": "e4m3", "scaling": "none", "numel": 4,
+            "amax": 1.0, "scale": 1.0, "overflow": 0, "overflow_pct": 0.0, "underflow": 0,
+            "underflow_pct": 0.0, "subnormal": 0, "subnormal_pct": 0.0}  # fmt: skip
+    undefined = format_table([{**base, "sqnr_db": None, "rel_mse": None}]).splitlines()[-1]
+    exact = format_table([{**base, "sqnr_db": None, "rel_mse": 0.0}]).splitlines()[-1]
+    assert not undefined.endswith("exact") and exact.endswith("exact")
