@@ -159,11 +159,13 @@ class FailRule:
 
     def crossed(self, rec: dict[str, Any]) -> bool:
         count_field, share_field = FAIL_METRICS[self.metric]
-        v = rec.get(share_field if self.percent else count_field)
-        if v is None:
-            # sqnr_db None means no error at all (+inf); rel_mse/amax None: undefined
-            v = math.inf if self.metric == "sqnr_db" else None
-        if v is None:
+        key = share_field if self.percent else count_field
+        if key not in rec:  # e.g. trace rows have no sqnr_db: the rule does not apply
+            return False
+        v = rec[key]
+        if v is None and self.metric == "sqnr_db" and rec.get("rel_mse") == 0:
+            v = math.inf  # no error at all
+        if v is None:  # undefined
             return False
         return _OPS[self.op](v, self.value)
 
