@@ -27,6 +27,7 @@ import mmap
 import os
 import pickle
 import struct
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -471,7 +472,9 @@ def _open_pt(path: str) -> Dump:
     import torch
 
     def load(use_mmap: bool):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error says it all
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
 
     mmapped = True
     try:

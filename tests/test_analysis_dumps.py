@@ -316,3 +316,18 @@ def test_npy_shape_overflowing_int64_is_corrupt(tmp_path):
         fh.write(b"\0" * 16)
     with pytest.raises(ValueError, match=r"big\.npy: corrupt"):
         open_dump(f)
+
+
+def test_raw_pickle_with_code_is_refused_without_warnings(tmp_path):
+    import pickle
+    import warnings
+
+    marker = tmp_path / "PWNED2"
+    f = tmp_path / "raw.pt"
+    f.write_bytes(pickle.dumps({"x": _Evil(str(marker))}, protocol=4))  # not torch's own 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match=r"raw\.pt: "):
+            open_dump(f)
+    assert not marker.exists()
+    assert [str(w.message) for w in caught] == []
