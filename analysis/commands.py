@@ -370,6 +370,13 @@ def _trace_table(rows: list[dict]) -> str:
 # ------------------------------------------------------------------------------------------
 # replay
 # ------------------------------------------------------------------------------------------
+def _shares(lo: Any, hi: Any, denominator: Any) -> list[float | None]:
+    """``[lo, hi] / denominator`` (overflow: of the finite values; underflow: of the nonzero
+    finite ones); ``None`` where the denominator is 0."""
+    d = int(denominator)
+    return [None, None] if d == 0 else [int(lo) / d, int(hi) / d]
+
+
 def run_replay(args: argparse.Namespace) -> int:
     from analysis.report import format_replay_table
     from analysis.replay import replay_policies, summary_rows
@@ -410,6 +417,11 @@ def run_replay(args: argparse.Namespace) -> int:
                  "scale": float(c["scale"][i]), "exact": bool(c["exact"][i]),
                  "overflow": [int(c["overflow_lo"][i]), int(c["overflow_hi"][i])],
                  "underflow": [int(c["underflow_lo"][i]), int(c["underflow_hi"][i])],
+                 "finite": int(c["finite"][i]), "nonzero": int(c["nonzero"][i]),
+                 "overflow_share": _shares(c["overflow_lo"][i], c["overflow_hi"][i],
+                                           c["finite"][i]),
+                 "underflow_share": _shares(c["underflow_lo"][i], c["underflow_hi"][i],
+                                            c["nonzero"][i]),
                  "event": bool(c["event"][i])}
                 for i in range(c["step"].size)
             ]  # fmt: skip

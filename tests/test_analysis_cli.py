@@ -144,6 +144,10 @@ def test_replay_cli(trace, tmp_path, capsys):
     cur = doc["records"][pols[2]]
     assert len(cur) == 18 and all(r["exact"] for r in cur)
     assert all(r["overflow"] == [0, 0] for r in cur)
+    for r in doc["records"]["recorded"] + cur:  # shares per tensor and step: counts / denominators
+        assert r["overflow_share"] == [r["overflow"][0] / r["finite"], r["overflow"][1] / r["finite"]]
+        assert r["underflow_share"] == [r["underflow"][0] / r["nonzero"],
+                                        r["underflow"][1] / r["nonzero"]]
     assert doc["policies"][0]["events"] > 0  # scale 1 under growing activations
     assert {"events", "worst_tensor", "worst_step", "median_underflow_pct", "worst_underflow_pct"} <= set(doc["policies"][1])
     assert (plots / "policies.png").read_bytes()[:8] == PNG
