@@ -24,28 +24,7 @@ to float32, the product rounded once to float32, as a GPU kernel does. ``overflo
 round to zero. Both follow the trace's ``rounding`` (``rne`` by default; ``rna`` and ``rtz`` are
 also understood) unless the recorder passed measured counts.
 
-The histogram of |x|
---------------------
-Every finite nonzero value is binned by ``a = float32(|x|) = 2**e * (1 + f)``, 0 <= f < 1:
-the bin is ``(e, m, inexact)`` with ``m = floor(f * 2**k)`` (the k leading mantissa bits) and
-``inexact = f * 2**k != m`` (whether any lower bit is set). Bin ids
-``(e - EXPONENT_MIN) * 2**(k+1) + 2*m + inexact`` increase with |x|, and bin ``(e, m, 0)`` holds
-only values exactly equal to its lower edge ``2**e * (1 + m/2**k)``.
-
-Why this is exact: for round-to-nearest the overflow threshold of a format with ``M`` mantissa bits
-is ``max + ulp(max)/2``, a number with ``M + 1`` mantissa bits, and the underflow threshold
-``min_subnormal / 2`` is a power of two. Multiplying by a power-of-two scale ``2**j`` moves a value
-by whole binades without rounding (in float32's normal range). So with ``k >= M + 1`` both
-thresholds, divided by ``2**j``, are lower edges of an exact bin: values above a threshold are
-whole bins, values equal to it (the tie, decided by the rounding rule) are exactly the exact bin.
-``k = 5`` (the default) covers every 8-bit format (e3m4 has the most mantissa bits, 4).
-
-Exactness holds for every input dtype, because the cast sees ``float32(x)`` too (float64 inputs
-are rounded to float32 first). Two sentinel binades hold float64 values outside float32's range:
-``e = EXPONENT_MIN`` nonzero values whose float32 is 0 (they underflow under any scale),
-``e = EXPONENT_MAX`` finite values whose float32 is inf (they overflow under any scale). Exactness
-needs the scaled threshold values in float32's normal range: true for every 8-bit format and any
-scale with ``|log2 scale| < 100``.
+The histogram of |x| and why its counts are exact: see :mod:`fp8sim.abs_histogram`.
 
 Atomicity: every file is written to a temporary name in the same directory, fsync'ed and moved
 into place with ``os.replace``. A chunk contains whole steps only and a step never spans two
@@ -56,7 +35,6 @@ new catalogue entry. An interrupted writer loses only steps not yet flushed.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import tempfile
@@ -65,10 +43,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-import numba
 import numpy as np
 
-from fp8sim._jit import jit_kernel
+from fp8sim.abs_histogram import (
+    COUNT_ROUNDINGS,
+    DEFAULT_HIST_MANTISSA_BITS,
+    EXPONENT_MAX,
+    EXPONENT_MIN,
+    AbsHistogram,
+    _check_k,
+    _histogram_and_counts,
+    abs_histogram,
+    cast_thresholds,
+)
 from fp8sim.formats import FloatFormat, get_format
 
 __all__ = [
@@ -99,387 +86,12 @@ SCALAR_COLUMNS = (
     "step", "tensor", "format", "numel", "zero", "nan", "inf",
     "amax", "scale", "overflow", "underflow",
 )  # fmt: skip
-#: the histogram's binades: EXPONENT_MIN is the "nonzero, float32(|x|) == 0" sentinel (float32's
-#: smallest subnormal is 2**-149), EXPONENT_MAX the "finite, float32(|x|) == inf" sentinel
-EXPONENT_MIN = -150
-EXPONENT_MAX = 128
-DEFAULT_HIST_MANTISSA_BITS = 5
-#: rounding modes for which over/underflow is a pure function of |x| (thresholds)
-COUNT_ROUNDINGS = ("rne", "rna", "rtz")
 
 _TRACE_JSON = "trace.json"
 _CHUNK_DIR = "chunks"
 _TENSOR_DIR = "tensors"
 _CHUNK_RE = re.compile(r"^chunk-(\d{6})-s(\d+)-(\d+)\.npz$")
 _TENSOR_RE = re.compile(r"^(\d{8})-(\d{5})\.safetensors$")
-
-
-# ------------------------------------------------------------------------------------------
-# rounding thresholds
-# ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CastThresholds:
-    """Where a scaled magnitude ``p`` over- or underflows in one format and rounding mode.
-
-    ``p`` overflows iff ``p > overflow_at`` or (``overflow_tie`` and ``p == overflow_at``);
-    a nonzero ``p`` underflows iff ``p < underflow_at`` or (``underflow_tie`` and
-    ``p == underflow_at``). ``*_e, *_m`` give the threshold as ``2**e * (1 + m/2**m_bits)``.
-    """
-
-    overflow_at: float
-    overflow_tie: bool
-    overflow_e: int
-    overflow_m: int
-    underflow_at: float
-    underflow_tie: bool
-    underflow_e: int
-    underflow_m: int
-    m_bits: int  # mantissa bits the thresholds need
-
-
-def cast_thresholds(fmt: str | FloatFormat, rounding: str = "rne") -> CastThresholds:
-    """Over/underflow thresholds of ``fmt`` under ``rounding`` (one of :data:`COUNT_ROUNDINGS`).
-
-    rne: overflow above ``max + ulp/2``; the tie overflows iff max's mantissa is odd (it rounds
-    to the even neighbour above). Underflow at or below ``min_subnormal/2`` (the tie goes to 0).
-    rna: ties go away from zero: the overflow tie overflows, the underflow tie does not.
-    rtz: overflow at or above ``max + ulp`` (what truncates above max before the clamp);
-    underflow below ``min_subnormal``.
-
-    "Rounds above max" means: rounded with the format's precision and an unbounded exponent,
-    the result exceeds ``fmt.max`` -- whatever the saturation rule then makes of it.
-    """
-    fmt = get_format(fmt)
-    if rounding not in COUNT_ROUNDINGS:
-        raise ValueError(
-            f"over/underflow counts from thresholds need rounding in {COUNT_ROUNDINGS}, "
-            f"got {rounding!r} (directed and stochastic modes depend on more than |x|)"
-        )
-    if not fmt.has_zero or not fmt.signed:
-        raise ValueError(f"format {fmt.name} has no zero or no sign; over/underflow undefined")
-    mb = fmt.mantissa_bits
-    max_m = fmt.max_code & ((1 << mb) - 1)
-    if rounding == "rtz":
-        # max + ulp is the first value that truncates to something above max
-        e, m = (fmt.emax, 2 * (max_m + 1)) if max_m + 1 < (1 << mb) else (fmt.emax + 1, 0)
-        return CastThresholds(
-            fmt.max + 2.0 ** (fmt.emax - mb), True, e, m,
-            fmt.min_subnormal, False, fmt.emin - mb, 0,
-            mb + 1,
-        )  # fmt: skip
-    tie_up = (max_m & 1) == 1 if rounding == "rne" else True
-    return CastThresholds(
-        fmt.max + 2.0 ** (fmt.emax - mb - 1), tie_up, fmt.emax, 2 * max_m + 1,
-        fmt.min_subnormal / 2, rounding == "rne", fmt.emin - mb - 1, 0,
-        mb + 1,
-    )  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------
-# one-pass histogram kernel
-# ------------------------------------------------------------------------------------------
-def _n_bins(k: int) -> int:
-    return (EXPONENT_MAX - EXPONENT_MIN + 1) << (k + 1)
-
-
-@jit_kernel
-def _abs_hist_kernel(x, scale, ov_at, ov_tie, un_at, un_tie, k, n_bins, n_parts):
-    """One pass over flat ``x`` (float32 or float64): per part a dense |x| histogram, and counts.
-
-    Returns (hist (n_parts, n_bins) int64, stats (n_parts, 5) int64 = zero, nan, inf, overflow,
-    underflow, amax (n_parts,) float64 over finite values).
-    """
-    n = x.size
-    hist = np.zeros((n_parts, n_bins), np.int64)
-    stats = np.zeros((n_parts, 5), np.int64)
-    amax = np.zeros(n_parts, np.float64)
-    per = (n + n_parts - 1) // n_parts
-    scale_k = 2.0**k
-    lo_id = 1  # sentinel: (EXPONENT_MIN, 0, inexact)
-    hi_id = ((EXPONENT_MAX - EXPONENT_MIN) << (k + 1)) + 1
-    for p in numba.prange(n_parts):
-        start = p * per
-        stop = min(n, start + per)
-        zero = 0
-        nan = 0
-        inf = 0
-        over = 0
-        under = 0
-        mx = 0.0
-        for i in range(start, stop):
-            v = np.float64(x[i])
-            if v != v:
-                nan += 1
-                continue
-            a = abs(v)
-            if a == np.inf:
-                inf += 1
-                continue
-            if a == 0.0:
-                zero += 1
-                continue
-            if a > mx:
-                mx = a
-            a32 = np.float64(np.float32(a))
-            if a32 == 0.0:
-                b = lo_id
-            elif a32 == np.inf:
-                b = hi_id
-            else:
-                fr, ex = math.frexp(a32)  # a32 = fr * 2**ex, 0.5 <= fr < 1
-                f = (2.0 * fr - 1.0) * scale_k
-                m = int(f)
-                b = ((ex - 1 - EXPONENT_MIN) << (k + 1)) + 2 * m + (1 if f != m else 0)
-            hist[p, b] += 1
-            q = np.float64(np.float32(a32 * scale))  # float32(float32(x) * scale)
-            if q > ov_at or (ov_tie and q == ov_at):
-                over += 1
-            elif q < un_at or (un_tie and q == un_at):
-                under += 1
-        stats[p, 0] = zero
-        stats[p, 1] = nan
-        stats[p, 2] = inf
-        stats[p, 3] = over
-        stats[p, 4] = under
-        amax[p] = mx
-    return hist, stats, amax
-
-
-def _as_float_array(x: Any, what: str = "x") -> np.ndarray:
-    """Flat float32/float64 numpy view or copy of a numpy array or torch tensor (any device).
-
-    bfloat16 and float16 widen to float32 exactly. Integer and complex inputs raise TypeError.
-    """
-    if type(x).__module__.startswith("torch"):
-        import torch
-
-        t = x.detach()
-        if not t.is_floating_point():
-            raise TypeError(f"{what}: expected a floating-point tensor, got {t.dtype}")
-        if t.dtype not in (torch.float32, torch.float64):
-            t = t.float()
-        return t.cpu().contiguous().numpy().reshape(-1)
-    a = np.asarray(x)
-    if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
-        raise TypeError(f"{what}: expected a floating-point array, got dtype {a.dtype}")
-    if a.dtype not in (np.float32, np.float64):
-        a = a.astype(np.float32)
-    return np.ascontiguousarray(a).reshape(-1)
-
-
-@dataclass
-class _HistResult:
-    bins: np.ndarray  # uint32, sorted
-    counts: np.ndarray  # int64
-    numel: int
-    zero: int
-    nan: int
-    inf: int
-    overflow: int
-    underflow: int
-    amax: float  # max finite |x| (0.0 if none)
-
-
-def _histogram_and_counts(
-    x: Any, fmt: FloatFormat, scale: float, rounding: str, k: int
-) -> _HistResult:
-    a = _as_float_array(x)
-    thr = cast_thresholds(fmt, rounding)
-    n_parts = max(1, min(numba.get_num_threads(), a.size // (1 << 16)))
-    hist, stats, amax = _abs_hist_kernel(
-        a, float(np.float32(scale)), thr.overflow_at, thr.overflow_tie,
-        thr.underflow_at, thr.underflow_tie, k, _n_bins(k), n_parts,
-    )  # fmt: skip
-    dense = hist.sum(axis=0)
-    nz = np.flatnonzero(dense)
-    s = stats.sum(axis=0)
-    return _HistResult(
-        nz.astype(np.uint32), dense[nz], int(a.size), int(s[0]), int(s[1]), int(s[2]),
-        int(s[3]), int(s[4]), float(amax.max()) if amax.size else 0.0,
-    )  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------
-# the histogram object
-# ------------------------------------------------------------------------------------------
-class AbsHistogram:
-    """Sparse histogram of ``float32(|x|)`` over finite nonzero values (see the module docstring).
-
-    Attributes: ``bins`` (sorted uint32 bin ids), ``counts`` (int64), ``mantissa_bits`` (k),
-    ``zero``, ``nan``, ``inf`` (counts of values outside the histogram), ``numel``.
-    """
-
-    def __init__(
-        self,
-        bins: np.ndarray,
-        counts: np.ndarray,
-        mantissa_bits: int,
-        *,
-        zero: int = 0,
-        nan: int = 0,
-        inf: int = 0,
-    ) -> None:
-        self.bins = np.asarray(bins, dtype=np.uint32)
-        self.counts = np.asarray(counts, dtype=np.int64)
-        if self.bins.shape != self.counts.shape:
-            raise ValueError("histogram bins and counts differ in length")
-        self.mantissa_bits = int(mantissa_bits)
-        self.zero, self.nan, self.inf = int(zero), int(nan), int(inf)
-        self._ids = self.bins.astype(np.int64)
-        self._cum = np.concatenate([[0], np.cumsum(self.counts)])
-
-    @property
-    def nonzero(self) -> int:
-        """Finite nonzero values (the histogram's total)."""
-        return int(self._cum[-1])
-
-    @property
-    def numel(self) -> int:
-        return self.nonzero + self.zero + self.nan + self.inf
-
-    def _count_below(self, bin_id: int) -> int:
-        """Values in bins with id < bin_id."""
-        return int(self._cum[np.searchsorted(self._ids, bin_id, side="left")])
-
-    def _bin_id(self, e: int, m_top: int, m_bits: int) -> int:
-        """Exact bin of ``2**e * (1 + m_top/2**m_bits)``; needs m_bits <= k."""
-        k = self.mantissa_bits
-        return ((e - EXPONENT_MIN) << (k + 1)) + 2 * (m_top << (k - m_bits))
-
-    def _check(self, thr: CastThresholds, fmt: FloatFormat) -> None:
-        if thr.m_bits > self.mantissa_bits:
-            raise ValueError(
-                f"exact counts for {fmt.name} need a histogram with >= {thr.m_bits} mantissa bits; "
-                f"this one keeps {self.mantissa_bits}"
-            )
-
-    def overflow(self, fmt: str | FloatFormat, scale_exp: int, rounding: str = "rne") -> int:
-        """Exact count of values overflowing ``fmt`` when scaled by ``2**scale_exp``."""
-        fmt = get_format(fmt)
-        thr = cast_thresholds(fmt, rounding)
-        self._check(thr, fmt)
-        edge = self._bin_id(thr.overflow_e - int(scale_exp), thr.overflow_m, thr.m_bits)
-        return self.nonzero - self._count_below(edge if thr.overflow_tie else edge + 1)
-
-    def underflow(self, fmt: str | FloatFormat, scale_exp: int, rounding: str = "rne") -> int:
-        """Exact count of nonzero values rounding to zero in ``fmt`` when scaled by ``2**scale_exp``."""
-        fmt = get_format(fmt)
-        thr = cast_thresholds(fmt, rounding)
-        self._check(thr, fmt)
-        edge = self._bin_id(thr.underflow_e - int(scale_exp), thr.underflow_m, thr.m_bits)
-        return self._count_below(edge + 1 if thr.underflow_tie else edge)
-
-    def _value_bin(self, v: float) -> tuple[int, bool]:
-        """(bin id holding float64 v > 0, whether v is exactly that bin's lower edge)."""
-        fr, ex = math.frexp(v)
-        f = (2.0 * fr - 1.0) * 2.0**self.mantissa_bits
-        m = int(f)
-        exact = f == m
-        return ((ex - 1 - EXPONENT_MIN) << (self.mantissa_bits + 1)) + 2 * m + (not exact), exact
-
-    def overflow_bounds(
-        self, fmt: str | FloatFormat, scale: float, rounding: str = "rne"
-    ) -> tuple[int, int]:
-        """(lower, upper) bound of the overflow count under any positive ``scale``.
-
-        Equal (exact) when ``scale`` is a power of two; otherwise the bin that straddles
-        ``threshold / scale`` is the uncertainty.
-        """
-        fmt = get_format(fmt)
-        j = _pow2_exponent(scale)
-        if j is not None:
-            n = self.overflow(fmt, j, rounding)
-            return n, n
-        thr = cast_thresholds(fmt, rounding)
-        if not scale > 0:
-            return 0, 0
-        b, _ = self._value_bin(thr.overflow_at / float(np.float32(scale)))
-        return self.nonzero - self._count_below(b + 1), self.nonzero - self._count_below(b)
-
-    def underflow_bounds(
-        self, fmt: str | FloatFormat, scale: float, rounding: str = "rne"
-    ) -> tuple[int, int]:
-        """(lower, upper) bound of the underflow count under any positive ``scale``."""
-        fmt = get_format(fmt)
-        j = _pow2_exponent(scale)
-        if j is not None:
-            n = self.underflow(fmt, j, rounding)
-            return n, n
-        thr = cast_thresholds(fmt, rounding)
-        if not scale > 0:
-            return self.nonzero, self.nonzero
-        b, _ = self._value_bin(thr.underflow_at / float(np.float32(scale)))
-        return self._count_below(b), self._count_below(b + 1)
-
-    def count_scaled_above(
-        self, threshold: float, scale: float, *, inclusive: bool = False
-    ) -> tuple[int, int]:
-        """(lower, upper) bound of the number of values with ``|x| * scale > threshold``
-        (``>=`` if ``inclusive``). Exact (equal bounds) when ``threshold / scale`` is a bin edge,
-        i.e. a power-of-two ``scale`` and a threshold with at most k mantissa bits; otherwise the
-        bin holding ``threshold / scale`` is the uncertainty (and the float32 rounding of the
-        product, within that bin)."""
-        s = float(np.float32(scale))
-        if not (s > 0 and threshold > 0):
-            return (self.nonzero, self.nonzero) if threshold <= 0 < s else (0, 0)
-        t = float(threshold) / s
-        if t == math.inf:
-            return 0, 0
-        if t == 0.0:
-            return self.nonzero, self.nonzero
-        b, exact = self._value_bin(t)
-        if exact:  # b is the exact bin of t: values == t are exactly its count
-            n = self.nonzero - self._count_below(b if inclusive else b + 1)
-            return n, n
-        return self.nonzero - self._count_below(b + 1), self.nonzero - self._count_below(b)
-
-    def binades(self) -> tuple[np.ndarray, np.ndarray]:
-        """(exponents e, counts) of values with ``floor(log2 float32(|x|)) == e``, e ascending.
-
-        The sentinel binades appear as EXPONENT_MIN / EXPONENT_MAX.
-        """
-        e = (self._ids >> (self.mantissa_bits + 1)) + EXPONENT_MIN
-        if e.size == 0:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        uniq, inv = np.unique(e, return_inverse=True)
-        return uniq, np.bincount(inv, weights=self.counts, minlength=uniq.size).astype(np.int64)
-
-    def max_value(self) -> float:
-        """Upper edge of the highest occupied bin (>= max finite |x|); 0.0 if empty."""
-        if self._ids.size == 0:
-            return 0.0
-        k = self.mantissa_bits
-        top = int(self._ids[-1])
-        e = (top >> (k + 1)) + EXPONENT_MIN
-        m = (top >> 1) & ((1 << k) - 1)
-        return float(2.0**e * (1 + (m + (top & 1)) / 2.0**k))
-
-    def __repr__(self) -> str:
-        return (
-            f"AbsHistogram(nonzero={self.nonzero}, zero={self.zero}, nan={self.nan}, "
-            f"inf={self.inf}, bins={self.bins.size}, k={self.mantissa_bits})"
-        )
-
-
-def _pow2_exponent(scale: float) -> int | None:
-    """j if float32(scale) == 2**j exactly, else None."""
-    s = float(np.float32(scale))
-    if not (s > 0 and math.isfinite(s)):
-        return None
-    fr, ex = math.frexp(s)
-    return ex - 1 if fr == 0.5 else None
-
-
-def abs_histogram(x: Any, mantissa_bits: int = DEFAULT_HIST_MANTISSA_BITS) -> AbsHistogram:
-    """The trace histogram of a numpy array or torch tensor (one numba pass)."""
-    _check_k(mantissa_bits)
-    r = _histogram_and_counts(x, get_format("e4m3"), 1.0, "rne", mantissa_bits)
-    return AbsHistogram(r.bins, r.counts, mantissa_bits, zero=r.zero, nan=r.nan, inf=r.inf)
-
-
-def _check_k(k: int) -> None:
-    if not (isinstance(k, (int, np.integer)) and 0 <= k <= 10):
-        raise ValueError(f"hist_mantissa_bits must be an int in 0..10, got {k!r}")
 
 
 # ------------------------------------------------------------------------------------------
