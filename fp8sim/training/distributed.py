@@ -1,44 +1,27 @@
-"""FP8-LM on torch.distributed: process groups, the FP8 gradient all-reduce (a DDP communication
-hook) and communication accounting.
+"""FP8-LM on torch.distributed: process groups, the data-parallel run and memory accounting.
 
 Process groups: gloo on CPU, nccl on CUDA; started by ``torchrun`` (``env://``) or spawned by
 :func:`train_distributed` through ``torch.multiprocessing`` (a ``file://`` store in a temporary
 directory: no ports). :func:`train_distributed` runs every recipe -- ``bf16``, the TE recipes and
 FP8-LM's O1/O2/O3 -- data-parallel over N ranks (one rank: the same code without collectives).
-
-The FP8 all-reduce (FP8-LM section 2.1) of the FP8 linears' weight gradients, per DDP bucket:
-
-1. every rank computes its scale per tensor, ``mu * fmt.max / amax_local`` with AutoScale's
-   ``mu`` (:class:`fp8sim.policies.AutoScale`; or MS-AMP's fixed ``2**floor(log2(fmt.max /
-   amax)) / sqrt(N)`` with ``scaling="msamp"``);
-2. one ``all_reduce(MIN)`` of the scales gives the shared scale ``s`` (the paper's global minimum);
-3. every rank encodes ``encode(float32(g) * s)`` (E4M3, nearest even, saturating) to uint8 codes;
-4. reduce-scatter as ``all_to_all`` of the uint8 payload (padded to a multiple of N): each rank
-   decodes the N copies of its chunk, sums them in float32 (exact: see
-   :func:`fp8sim.training.allreduce_sim.sum_codes`) and re-encodes the sum once;
-5. ``all_gather`` of the uint8 chunks; the average gradient is ``decode(codes) * scale_inv`` with
-   ``scale_inv = float32(float32(1 / s) / N)``.
-
-AutoScale observes the share of summed codes at ``fmt.max`` (identical on every rank, so the
-policies stay in step without communication). The other gradients are averaged by an
-``all_reduce`` in bfloat16 (or float32). The reduced gradients are kept in :attr:`Fp8GradReducer.stash`
-as they were communicated (codes + scale_inv, or bfloat16 values) for the FP8 optimizer.
-
-Bytes are counted per rank with the ring algorithms' volumes (:func:`ring_bytes`).
+The FP8 gradient all-reduce itself (a DDP communication hook) and its byte accounting live in
+:mod:`fp8sim.training.fp8_allreduce`.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from collections import Counter
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-import numpy as np
 import torch
 
-from fp8sim.formats import get_format
-from fp8sim.training.allreduce_sim import decode_codes, sum_codes
+from fp8sim.training.fp8_allreduce import (
+    COMM_CATEGORIES,
+    GRAD_SCALINGS,
+    CommCounter,
+    Fp8GradReducer,
+    ring_bytes,
+)
 
 __all__ = [
     "GRAD_SCALINGS",
@@ -51,40 +34,6 @@ __all__ = [
     "memory_breakdown",
     "train_distributed",
 ]
-
-#: how the shared gradient scale is chosen: FP8-LM's AutoScale or MS-AMP's fixed 1/sqrt(N)
-GRAD_SCALINGS = ("autoscale", "msamp")
-#: categories of the bytes a rank sends
-COMM_CATEGORIES = ("wgrad_fp8", "scales", "grads_other", "weights")
-
-
-def ring_bytes(op: str, nbytes: int, world: int) -> int:
-    """Bytes one rank sends in a collective over ``world`` ranks on a ring, for a payload of
-    ``nbytes`` (the whole tensor): ``all_reduce`` ``2 (N-1)/N B``; ``all_to_all``,
-    ``reduce_scatter``, ``all_gather`` and (pipelined, averaged over ranks) ``broadcast``
-    ``(N-1)/N B``. Rounded up to whole bytes; 0 for one rank."""
-    factor = {"all_reduce": 2, "all_to_all": 1, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
-    if op not in factor:
-        raise ValueError(f"ring_bytes: unknown collective {op!r}; valid: {', '.join(factor)}")
-    return -(-factor[op] * (world - 1) * int(nbytes) // world)
-
-
-class CommCounter:
-    """Bytes this rank sends, per category, since the last :meth:`pop`; also what BF16 would
-    send for the FP8 payloads (``wgrad_bf16_equiv``)."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.counts: Counter = Counter()
-
-    def add(self, category: str, op: str, nbytes: int) -> None:
-        self.counts[category] += ring_bytes(op, nbytes, self.world)
-
-    def pop(self) -> dict[str, int]:
-        out = {k: int(self.counts.get(k, 0)) for k in (*COMM_CATEGORIES, "wgrad_bf16_equiv")}
-        self.counts.clear()
-        return out
-
 
 def torchrun_env() -> tuple[int, int] | None:
     """``(rank, world_size)`` when started by torchrun (RANK and WORLD_SIZE set), else None."""
@@ -102,183 +51,6 @@ def init_process_group(rank: int, world: int, init_file: str | None = None) -> s
     method = "env://" if init_file is None else f"file://{init_file}"
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=world)
     return backend
-
-
-class Fp8GradReducer:
-    """Averages gradients across ranks: FP8 for the FP8 linears' weights, bf16/fp32 for the rest.
-
-    Use as a DDP communication hook (``ddp.register_comm_hook(None, reducer.hook)``) or call
-    :meth:`reduce` on ``(parameter, gradient)`` pairs directly (one process: no communication).
-
-    Args:
-        named_params: ``(name, parameter)`` of the model (names key the AutoScale states).
-        fp8_names: parameters whose gradients travel in FP8.
-        world: number of ranks; group: the process group (None: default).
-        fmt: gradient format (``e4m3``, FP8-LM's choice).
-        scaling: ``"autoscale"`` (or an ``autoscale:...`` spec) or ``"msamp"``.
-        other_dtype: dtype of the other gradients' all-reduce (torch.bfloat16 or torch.float32).
-        backend: FP8 backend name or object (quantize / amax).
-        counter: a :class:`CommCounter` (created if None).
-    """
-
-    def __init__(
-        self,
-        named_params: Iterable[tuple[str, torch.Tensor]],
-        fp8_names: set[str],
-        *,
-        world: int,
-        group: Any = None,
-        fmt: str = "e4m3",
-        scaling: str = "autoscale",
-        other_dtype: torch.dtype = torch.bfloat16,
-        backend: str | Any = "emulator",
-        counter: CommCounter | None = None,
-    ) -> None:
-        from fp8sim import backends
-        from fp8sim.policies import parse_policy
-
-        if scaling.split(":")[0] not in GRAD_SCALINGS:
-            raise ValueError(f"gradient scaling must be one of {GRAD_SCALINGS}, got {scaling!r}")
-        if other_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"other_dtype must be torch.bfloat16 or torch.float32, got {other_dtype}")
-        self.names = {id(p): n for n, p in named_params}
-        self.fp8_names = set(fp8_names)
-        self.world, self.group = world, group
-        self.fmt = get_format(fmt)
-        self.scaling = scaling
-        self.policy = parse_policy(scaling) if scaling.startswith("autoscale") else None
-        self.other_dtype = other_dtype
-        self.backend = backends.get(backend) if isinstance(backend, str) else backend
-        self.counter = counter if counter is not None else CommCounter(world)
-        self.stash: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.stats: Counter = Counter()
-
-    # -- DDP hook -------------------------------------------------------------------------------
-    def hook(self, state, bucket):  # no annotations: DDP checks them against its own types
-        """DDP communication hook: reduce the bucket's gradients in place, return a done future."""
-        buf = bucket.buffer()  # the flat concatenation of the bucket's gradients, in order
-        outs = self.reduce(list(zip(bucket.parameters(), bucket.gradients())))
-        buf.copy_(torch.cat([o.reshape(-1) for o in outs]).to(buf.dtype))
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(buf)
-        return fut
-
-    def reduce(self, items: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """Average the gradients of ``(parameter, gradient)`` pairs over ranks; float32 results
-        in the same order. Every rank must call it with the same parameters in the same order."""
-        fp8 = [i for i, (p, _) in enumerate(items) if self.names.get(id(p)) in self.fp8_names]
-        fp8_set = set(fp8)
-        other = [i for i in range(len(items)) if i not in fp8_set]
-        out: list[torch.Tensor | None] = [None] * len(items)
-        if fp8:
-            for i, r in zip(fp8, self._reduce_fp8([items[i] for i in fp8])):
-                out[i] = r
-        if other:
-            for i, r in zip(other, self._reduce_other([items[i] for i in other])):
-                out[i] = r
-        return out  # type: ignore[return-value]
-
-    def grad_for(self, p: torch.Tensor) -> tuple[torch.Tensor, float] | None:
-        """The reduced gradient of ``p`` as the optimizer consumes it: ``(values, scale_inv)``
-        (decoded codes and their scale_inv, or the bf16/fp32 average and 1)."""
-        got = self.stash.get(id(p))
-        if got is None:
-            return None
-        t, sinv = got
-        if sinv is None:
-            return t, 1.0
-        return decode_codes(t, self.fmt), float(sinv)
-
-    def stash_bytes(self, p: torch.Tensor) -> int:
-        """Bytes of ``p``'s stored reduced gradient (codes + 4-byte scale_inv, or the values)."""
-        t, sinv = self.stash[id(p)]
-        return t.numel() * t.element_size() + (4 if sinv is not None else 0)
-
-    # -- FP8 path -------------------------------------------------------------------------------
-    def _local_scale(self, name: str, amax: float) -> float:
-        from fp8sim.scaling import scale_from_amax
-
-        if self.policy is not None:
-            return float(self.policy.scale_for(name, self.fmt, current_amax=amax))
-        base = float(scale_from_amax(np.float32(amax), self.fmt, pow2=True))  # MS-AMP: pow2, then 1/sqrt(N)
-        return float(np.float32(base / math.sqrt(self.world)))
-
-    def _reduce_fp8(self, items: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        import torch.distributed as dist
-
-        n, fmt = self.world, self.fmt
-        names = [self.names[id(p)] for p, _ in items]
-        grads = [g.detach().to(torch.float32) for _, g in items]
-        amaxes = [float(self.backend.amax(g)) for g in grads]
-        scales = torch.tensor([self._local_scale(nm, a) for nm, a in zip(names, amaxes)], dtype=torch.float32)
-        if n > 1:
-            dist.all_reduce(scales, op=dist.ReduceOp.MIN, group=self.group)  # the shared scale
-        self.counter.add("scales", "all_reduce", scales.numel() * 4)
-        codes = []
-        for g, s in zip(grads, scales):
-            c, _ = self.backend.quantize(g, fmt, s)
-            mag = c & (fmt.sign_mask - 1)
-            nz = g != 0
-            self.stats["underflow"] += int((nz & (mag == 0)).sum())
-            self.stats["nonzero"] += int(nz.sum())
-            codes.append(c.reshape(-1))
-        flat = torch.cat(codes)
-        numel = flat.numel()
-        pad = (-numel) % n
-        if pad:
-            flat = torch.cat([flat, torch.zeros(pad, dtype=torch.uint8, device=flat.device)])
-        if n > 1:
-            mine = torch.empty_like(flat)
-            dist.all_to_all_single(mine, flat, group=self.group)  # chunk r of every rank -> rank r
-            summed, over = sum_codes(list(mine.chunk(n)), fmt, self.backend)
-            full = torch.empty_like(flat)
-            dist.all_gather(list(full.chunk(n)), summed, group=self.group)
-        else:
-            full, over = sum_codes([flat], fmt, self.backend)
-        self.stats["overflow"] += over  # of this rank's chunk
-        self.counter.add("wgrad_fp8", "all_to_all", flat.numel())
-        self.counter.add("wgrad_fp8", "all_gather", flat.numel())
-        self.counter.add("wgrad_bf16_equiv", "all_reduce", 2 * numel)
-        out, off = [], 0
-        for (p, g), nm, s, a in zip(items, names, scales, amaxes):
-            c = full[off : off + g.numel()].view(g.shape)
-            off += g.numel()
-            sinv = (torch.reciprocal(s) / n).to(torch.float32)
-            self.stash[id(p)] = (c, sinv)
-            out.append(decode_codes(c, fmt) * sinv)
-            if self.policy is not None:
-                at_max = int(((c & (fmt.sign_mask - 1)) == fmt.max_code).sum())
-                self.policy.observe(nm, a, fmt, numel=c.numel(), n_at_max=at_max)
-        return out
-
-    # -- the other gradients --------------------------------------------------------------------
-    def _reduce_other(self, items: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        import torch.distributed as dist
-
-        flat = torch.cat([g.detach().reshape(-1).to(self.other_dtype) for _, g in items])
-        if self.world > 1:
-            dist.all_reduce(flat, group=self.group)
-        self.counter.add("grads_other", "all_reduce", flat.numel() * flat.element_size())
-        avg = (flat.float() / self.world).to(self.other_dtype)  # exact for a power-of-two N
-        out, off = [], 0
-        for p, g in items:
-            v = avg[off : off + g.numel()].view(g.shape)
-            off += g.numel()
-            self.stash[id(p)] = (v, None)
-            out.append(v.float())
-        return out
-
-    def mu_range(self) -> tuple[float, float] | None:
-        """Smallest and largest AutoScale mu over the tensors seen (None for MS-AMP scaling)."""
-        if self.policy is None:
-            return None
-        mus = [self.policy.mu(n) for n in sorted(self.fp8_names)]
-        return (min(mus), max(mus)) if mus else None
-
-    def pop_stats(self) -> dict[str, int]:
-        out = {k: int(self.stats.get(k, 0)) for k in ("overflow", "underflow", "nonzero")}
-        self.stats.clear()
-        return out
 
 
 # -- memory accounting --------------------------------------------------------------------------
