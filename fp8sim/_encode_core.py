@@ -28,7 +28,6 @@ format has inf, else NaN, else the ``ERR_OVERFLOW`` sentinel (formats with no Na
 
 from __future__ import annotations
 
-import math
 
 import numba
 import numpy as np
@@ -40,7 +39,6 @@ __all__ = [
     "ERR_NAN",
     "ERR_OVERFLOW",
     "encode_fields",
-    "encode_value",
     "encode_f32_kernel",
     "encode_f64_kernel",
     "encode_fast_kernel",
@@ -221,21 +219,6 @@ def _fields_f64(u):
     if ebits == 0:
         return _normalized(neg, np.int64(-1022), man, 52)
     return neg, False, False, ebits - 1023, man | np.uint64(1 << 52)
-
-
-@jit_scalar
-def encode_value(x, params, mode, saturate, r, k):
-    """Code of the float64 value ``x`` (numba-callable; any float converts to float64 exactly)."""
-    neg = math.copysign(1.0, x) < 0
-    if math.isnan(x):
-        return encode_fields(neg, True, False, 0, np.uint64(0), 52, params, mode, saturate, r, k)
-    if math.isinf(x):
-        return encode_fields(neg, False, True, 0, np.uint64(0), 52, params, mode, saturate, r, k)
-    if x == 0.0:
-        return encode_fields(neg, False, False, 0, np.uint64(0), 52, params, mode, saturate, r, k)
-    frac, ex = math.frexp(abs(x))  # abs(x) = frac * 2**ex, frac in [0.5, 1)
-    sig = np.uint64(math.ldexp(frac, 53))  # exact: 53 significant bits at most
-    return encode_fields(neg, False, False, ex - 1, sig, 52, params, mode, saturate, r, k)
 
 
 @jit_scalar

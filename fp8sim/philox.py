@@ -13,9 +13,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from fp8sim._jit import jit_inline, jit_kernel, jit_scalar
+from fp8sim._jit import jit_inline, jit_kernel
 
-__all__ = ["philox4x32", "randint", "seed_words"]
+__all__ = ["randint", "randint_scalar", "seed_words"]
 
 _M32 = np.uint64(0xFFFFFFFF)
 _KEY_A = 0x9E3779B9  # golden ratio
@@ -24,36 +24,13 @@ _ROUND_A = 0xD2511F53
 _ROUND_B = 0xCD9E8D57
 
 
-@jit_scalar
-def philox4x32(c0, c1, c2, c3, k0, k1, n_rounds):
-    """Philox4x32 on four 32-bit counter words and a two-word key (all given as ints)."""
-    c0 = np.uint64(c0) & _M32
-    c1 = np.uint64(c1) & _M32
-    c2 = np.uint64(c2) & _M32
-    c3 = np.uint64(c3) & _M32
-    k0 = np.uint64(k0) & _M32
-    k1 = np.uint64(k1) & _M32
-    for _ in range(n_rounds):
-        p0 = np.uint64(_ROUND_A) * c0  # < 2**64, exact in uint64
-        p2 = np.uint64(_ROUND_B) * c2
-        n0 = ((p2 >> np.uint64(32)) ^ c1 ^ k0) & _M32
-        n2 = ((p0 >> np.uint64(32)) ^ c3 ^ k1) & _M32
-        c1 = p2 & _M32
-        c3 = p0 & _M32
-        c0 = n0
-        c2 = n2
-        k0 = (k0 + np.uint64(_KEY_A)) & _M32
-        k1 = (k1 + np.uint64(_KEY_B)) & _M32
-    return c0, c1, c2, c3
-
-
 @jit_inline
 def randint_scalar(k0, k1, offset):
     """``tl.randint(seed, offset)`` for one offset; the seed given as its two 32-bit words.
 
-    The same rounds as :func:`philox4x32` with counter ``(offset mod 2**32, 0, 0, 0)``, written
-    out with the round count fixed at 10 so that loops calling it unroll and vectorize (about
-    10x faster than calling the general function; the tests hold both to Triton's stream).
+    Philox4x32 with 10 rounds, counter ``(offset mod 2**32, 0, 0, 0)``, key ``(k0, k1)``; only
+    the first output word is kept. Inlined (numba IR level) so that loops calling it unroll and
+    vectorize. The tests hold it to Triton's own stream in the interpreter.
     """
     c0 = np.uint64(offset) & _M32
     c1 = np.uint64(0)
