@@ -21,31 +21,35 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_NAME", "save_checkpoint", "load_checkpoint", "capture_rng", "restore_rng"]
+__all__ = ["CHECKPOINT_NAME", "save_checkpoint", "load_checkpoint", "capture_rng", "restore_rng", "to_storable",
+           "from_storable"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 _FORMAT_VERSION = 1
 
 
-def _to_storable(obj: Any) -> Any:
+def to_storable(obj: Any) -> Any:
+    """``obj`` with numpy arrays and scalars replaced by what ``torch.load(weights_only=True)``
+    accepts (arrays as ``{"__ndarray__": tensor, "dtype": name}``); inverse: :func:`from_storable`."""
     if isinstance(obj, np.ndarray):
         return {"__ndarray__": torch.from_numpy(np.ascontiguousarray(obj).copy()), "dtype": str(obj.dtype)}
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):
-        return {k: _to_storable(v) for k, v in obj.items()}
+        return {k: to_storable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_storable(v) for v in obj)
+        return type(obj)(to_storable(v) for v in obj)
     return obj
 
 
-def _from_storable(obj: Any) -> Any:
+def from_storable(obj: Any) -> Any:
+    """Undo :func:`to_storable`: ``{"__ndarray__": ...}`` entries become numpy arrays again."""
     if isinstance(obj, dict):
         if "__ndarray__" in obj:
             return obj["__ndarray__"].numpy().astype(obj["dtype"], copy=True)
-        return {k: _from_storable(v) for k, v in obj.items()}
+        return {k: from_storable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_from_storable(v) for v in obj)
+        return type(obj)(from_storable(v) for v in obj)
     return obj
 
 
@@ -80,14 +84,14 @@ def save_checkpoint(
         "step": int(step),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "policies": _to_storable(policies),
+        "policies": to_storable(policies),
         "rng": capture_rng(),
-        "config": _to_storable(config),
+        "config": to_storable(config),
     }
     for key, value in (extra or {}).items():
         if key in payload:
             raise ValueError(f"save_checkpoint: extra key {key!r} collides with a checkpoint field")
-        payload[key] = _to_storable(value)
+        payload[key] = to_storable(value)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     torch.save(payload, tmp)
     os.replace(tmp, path)
@@ -102,4 +106,4 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict:
     payload = torch.load(path, map_location="cpu", weights_only=True)
     if payload.get("version") != _FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint version {payload.get('version')!r}, expected {_FORMAT_VERSION}")
-    return {k: _from_storable(v) for k, v in payload.items()}
+    return {k: from_storable(v) for k, v in payload.items()}

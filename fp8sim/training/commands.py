@@ -3,7 +3,8 @@
 ``fp8sim train --recipe R --backend B --steps N [--record DIR] [--seed S] [--out DIR]``: trains the
 tiny byte-level GPT, writes ``metrics.jsonl``, checkpoints and ``run.json`` into ``--out``; a
 progress bar on stderr (loss, tokens/s) when stderr is a terminal and ``--json`` is not given.
-``--resume`` continues the run in ``--out`` from its last checkpoint. ``--nproc N`` (or torchrun)
+``--resume`` continues the run in ``--out`` from its last checkpoint (data-parallel runs too: one
+checkpoint file per rank, see :mod:`fp8sim.training.dist_checkpoint`). ``--nproc N`` (or torchrun)
 trains data-parallel over N ranks, and the FP8-LM recipes (``fp8lm-o1/o2/o3``) always train through
 :func:`fp8sim.training.distributed.train_distributed`; ``run.json`` then adds the bytes each rank
 sends per step.
@@ -57,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-scaling", default=None, choices=("autoscale", "msamp"),
                    help="FP8 gradient all-reduce of the fp8lm recipes: FP8-LM's AutoScale (default) or MS-AMP's "
                         "fixed 1/sqrt(N) pre-scale")
+    p.add_argument("--fp8-grads", default=None, choices=("all", "linear"),
+                   help="fp8lm recipes: which gradients travel (and are stored) in E4M3 -- every parameter's "
+                        "(default) or only the FP8 linears' weights' as MS-AMP does")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
     p.set_defaults(func=run_train)
 
@@ -88,14 +92,13 @@ def _run_distributed(args: argparse.Namespace, cfg, out: Path) -> dict | None:
     """Data-parallel and FP8-LM runs (:mod:`fp8sim.training.distributed`); None on ranks > 0."""
     from fp8sim.training.distributed import torchrun_env, train_distributed
 
-    if args.resume:
-        raise ValueError("--resume: data-parallel and FP8-LM runs cannot resume (yet)")
     env = torchrun_env()
     if not env or env[0] == 0:
         print(f"fp8sim train: {cfg.recipe} on {cfg.backend}, {env[1] if env else args.nproc} rank(s) -> {out}",
               file=sys.stderr)
-    summary = train_distributed(cfg, out, nproc=args.nproc, grad_scaling=args.grad_scaling, record=args.record,
-                                save_every=args.save_every, progress=None if not args.json else False)
+    summary = train_distributed(cfg, out, nproc=args.nproc, grad_scaling=args.grad_scaling, fp8_grads=args.fp8_grads,
+                                record=args.record, save_every=args.save_every,
+                                progress=None if not args.json else False, resume=args.resume)
     return None if env and env[0] != 0 else summary
 
 
@@ -107,7 +110,8 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     out = Path(args.out or f"runs/{cfg.recipe}-{cfg.backend}-s{cfg.seed}")
     r = get_recipe(cfg.recipe)
-    if args.nproc != 1 or torchrun_env() or args.grad_scaling or (r.optimizer, r.grad_comm, r.weight_storage) != (
+    if args.nproc != 1 or torchrun_env() or args.grad_scaling or args.fp8_grads or (
+            r.optimizer, r.grad_comm, r.weight_storage) != (
             "adamw", "none", "fp32"):
         summary = _run_distributed(args, cfg, out)
         if summary is not None:

@@ -17,6 +17,7 @@ import torch
 
 from fp8sim.training.fp8_allreduce import (
     COMM_CATEGORIES,
+    FP8_GRAD_SCOPES,
     GRAD_SCALINGS,
     CommCounter,
     Fp8GradReducer,
@@ -25,6 +26,7 @@ from fp8sim.training.fp8_allreduce import (
 
 __all__ = [
     "GRAD_SCALINGS",
+    "FP8_GRAD_SCOPES",
     "COMM_CATEGORIES",
     "ring_bytes",
     "CommCounter",
@@ -120,9 +122,12 @@ def train_distributed(
     *,
     nproc: int = 1,
     grad_scaling: str | None = None,
+    fp8_grads: str | None = None,
     record: str | os.PathLike | None = None,
     save_every: int = 0,
     progress: bool | None = None,
+    resume: bool = False,
+    stop_after: int | None = None,
 ) -> dict:
     """Train ``cfg`` (a :class:`~fp8sim.training.trainer.TrainConfig`) data-parallel over
     ``nproc`` ranks into ``out_dir``; returns the run summary (``run.json``).
@@ -130,13 +135,22 @@ def train_distributed(
     Rank ``r`` takes rows ``[r B/N, (r+1) B/N)`` of the global batch ``B = cfg.batch_size`` (the
     same batches as a one-process run). Started under torchrun, the ranks come from the
     environment and ``nproc`` is ignored. ``grad_scaling``: ``autoscale`` (default, the recipe's)
-    or ``msamp`` for the FP8 all-reduce. ``record``: a trace per rank in ``record/rank{r}``
-    (local weight gradients before the all-reduce). ``metrics.jsonl`` rows carry, besides the
+    or ``msamp`` for the FP8 all-reduce; ``fp8_grads``: ``all`` or ``linear`` (default: the
+    recipe's), which gradients travel in FP8. ``record``: a trace per rank in ``record/rank{r}``
+    (local weight gradients before the all-reduce).
+
+    Checkpoints (:mod:`fp8sim.training.dist_checkpoint`: one file per rank, committed together)
+    after every ``cfg.checkpoint_every`` steps and the last; ``resume=True`` continues the run in
+    ``out_dir`` from its last complete checkpoint (same config, options and number of ranks),
+    reproducing the uninterrupted run's losses bit for bit on CPU. ``stop_after``: stop after
+    that step as if killed (no summary), for tests. ``metrics.jsonl`` rows carry, besides the
     single-process keys, ``comm_bytes`` (mean bytes a rank sent that step, per category,
     plus what BF16 would send for the FP8 payloads) and ``allreduce`` (FP8 sums that saturated,
     inputs that underflowed, AutoScale's mu range).
     """
     from pathlib import Path
+
+    from fp8sim.training.recipes import get_recipe
 
     env = torchrun_env()
     world = env[1] if env else nproc
@@ -146,11 +160,24 @@ def train_distributed(
         raise ValueError(f"batch size {cfg.batch_size} is not divisible by {world} ranks")
     if grad_scaling is not None and grad_scaling.split(":")[0] not in GRAD_SCALINGS:
         raise ValueError(f"gradient scaling must be one of {GRAD_SCALINGS}, got {grad_scaling!r}")
+    if fp8_grads is not None and fp8_grads not in FP8_GRAD_SCOPES:
+        raise ValueError(f"fp8_grads must be one of {FP8_GRAD_SCOPES}, got {fp8_grads!r}")
+    if (grad_scaling or fp8_grads) and get_recipe(cfg.recipe).grad_comm != "fp8":
+        raise ValueError(f"--grad-scaling/--fp8-grads apply to the FP8 all-reduce of the fp8lm recipes, "
+                         f"not to {cfg.recipe!r}")
     out = Path(out_dir)
-    if (out / "metrics.jsonl").exists():
-        raise ValueError(f"{out} already holds a run; choose another output directory")
-    opts = {"grad_scaling": grad_scaling, "record": None if record is None else str(record),
-            "save_every": int(save_every), "progress": progress}
+    if resume:
+        from fp8sim.training.dist_checkpoint import latest_checkpoint
+
+        info = latest_checkpoint(out)
+        if info is None:
+            raise ValueError(f"--resume: {out} holds no data-parallel checkpoint")
+        if info["world"] != world:
+            raise ValueError(f"--resume: {out} was checkpointed by {info['world']} ranks, not {world}")
+    elif (out / "metrics.jsonl").exists():
+        raise ValueError(f"{out} already holds a run; resume it or choose another output directory")
+    opts = {"grad_scaling": grad_scaling, "fp8_grads": fp8_grads, "record": None if record is None else str(record),
+            "save_every": int(save_every), "progress": progress, "resume": bool(resume), "stop_after": stop_after}
     if env:
         _run_rank(env[0], world, cfg.to_dict(), str(out), None, opts)
     elif world == 1:
@@ -219,11 +246,15 @@ class _RankRun:
         named = list(self.model.named_parameters())
         self.params = [p for _, p in named]
         fp8_comm = r.grad_comm == "fp8"
+        # fp8_names: the FP8 linears' weights (E4M3-stored under O3, the accounting's "fp8_weights");
+        # grad_fp8_names: the parameters whose gradients travel (and are kept) in FP8
         self.fp8_names = {f"{m.name}.weight" for m in fp8_linears(self.model)} if fp8_comm else set()
+        self.grad_scope = opts.get("fp8_grads") or dict(r.extra).get("fp8_grads", "linear")
+        self.grad_fp8_names = ({n for n, _ in named} if fp8_comm and self.grad_scope == "all" else self.fp8_names)
         other = torch.bfloat16 if (fp8_comm or r.grad_comm == "bf16" or r.autocast == "bfloat16") else torch.float32
-        scaling = opts.get("grad_scaling") or dict(r.extra).get("grad_scaling", "autoscale")
+        self.grad_scaling = scaling = opts.get("grad_scaling") or dict(r.extra).get("grad_scaling", "autoscale")
         self.counter = CommCounter(world)
-        self.reducer = Fp8GradReducer(named, self.fp8_names, world=world, scaling=scaling, other_dtype=other,
+        self.reducer = Fp8GradReducer(named, self.grad_fp8_names, world=world, scaling=scaling, other_dtype=other,
                                       backend=cfg.backend, counter=self.counter)
         self.reduce_inline = world == 1 and fp8_comm  # one rank: FP8 gradients all the same, no collectives
         self.ddp: torch.nn.Module = self.model
@@ -241,19 +272,93 @@ class _RankRun:
         else:
             self.optimizer = Fp8AdamW(self.params, **hp, backend=cfg.backend, grad_source=self.reducer.grad_for)
         self.counter.pop()  # the initial weight gather is set-up, not a training step
+        self.start_step = 0
+        ck = self._resume() if opts.get("resume") else None
         self.recorder = None
         if opts.get("record"):
             from fp8sim.training.recorder import record
 
             self.recorder = record(self.model, Path(opts["record"]) / f"rank{rank}", save_every=opts["save_every"],
-                                   chunk_steps=max(1, cfg.checkpoint_every),
+                                   chunk_steps=max(1, cfg.checkpoint_every), append=ck is not None,
                                    config={"run": cfg.to_dict(), "rank": rank, "world": world, "run_dir": out})
-        if rank == 0:
+            if ck is not None and ck.get("recorder"):
+                self.recorder.load_state_dict(ck["recorder"])
+        if rank == 0 and ck is None:
             import json
 
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             (self.out / "metrics.jsonl").write_text("")
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _run_options(self) -> dict:
+        """The options that change a run's numbers besides its config (checked on resume)."""
+        return {"grad_scaling": self.grad_scaling, "fp8_grads": self.grad_scope}
+
+    def checkpoint_payload(self) -> dict:
+        """This rank's part of a checkpoint (see :mod:`fp8sim.training.dist_checkpoint`)."""
+        from fp8sim.training.checkpoint import capture_rng
+
+        sharded = self.zero is not None
+        return {
+            "config": self.cfg.to_dict(), "options": self._run_options(), "rng": capture_rng(),
+            "policies": self.fp8.state_dict() if self.fp8 is not None else None,
+            "reducer": self.reducer.state_dict(),
+            "optimizer": self.optimizer.state_dict() if (sharded or self.rank == 0) else None,
+            "model": self.model.state_dict() if self.rank == 0 else None,
+            "recorder": self.recorder.state_dict() if self.recorder is not None else None,
+        }
+
+    def save(self, step: int) -> None:
+        """Checkpoint after ``step`` (collective: every rank calls it). The trace is flushed first,
+        so a checkpoint never points past the steps the trace holds."""
+        import torch.distributed as dist
+
+        from fp8sim.training.dist_checkpoint import save_rank_checkpoint
+
+        if self.recorder is not None:
+            self.recorder.flush()
+        save_rank_checkpoint(self.out, step=step, rank=self.rank, world=self.world, payload=self.checkpoint_payload(),
+                             barrier=dist.barrier if self.world > 1 else None)
+
+    def _resume(self) -> dict:
+        """Restore the last complete checkpoint; returns this rank's payload."""
+        from fp8sim.training.checkpoint import restore_rng
+        from fp8sim.training.dist_checkpoint import load_rank_checkpoint, latest_checkpoint
+        from fp8sim.training.trainer import read_metrics
+
+        info = latest_checkpoint(self.out)
+        if info is None:
+            raise ValueError(f"--resume: {self.out} holds no data-parallel checkpoint")
+        ck = load_rank_checkpoint(self.out, self.rank, step=info["step"])
+        first = ck if self.rank == 0 else load_rank_checkpoint(self.out, 0, step=info["step"])
+        if ck["world"] != self.world:
+            raise ValueError(f"--resume: {self.out} was checkpointed by {ck['world']} ranks, not {self.world}")
+        if ck["config"] != self.cfg.to_dict():
+            diff = sorted(k for k, v in self.cfg.to_dict().items() if ck["config"].get(k) != v)
+            raise ValueError(f"--resume: {self.out} was written by a different config (differs in {diff})")
+        if ck["options"] != self._run_options():
+            raise ValueError(f"--resume: {self.out} was trained with {ck['options']}, not {self._run_options()}")
+        with torch.no_grad():
+            self.model.load_state_dict(first["model"])
+        if self.zero is not None:
+            self.zero.optimizer.load_state_dict(ck["optimizer"])
+            self.zero.gather()  # the E4M3 codes of the owners' masters, as after the last step
+            self.counter.pop()
+        else:
+            self.optimizer.load_state_dict(first["optimizer"])
+        if self.fp8 is not None:
+            self.fp8.load_state_dict(ck["policies"])
+        self.reducer.load_state_dict(ck["reducer"])
+        restore_rng(ck["rng"])
+        self.start_step = int(ck["step"])
+        if self.rank == 0:  # the steps after the checkpoint are run (and logged) again
+            import json
+
+            rows = [r for r in read_metrics(self.out) if r["step"] <= self.start_step]
+            with open(self.out / "metrics.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        return ck
 
     def _autocast(self):
         import contextlib
@@ -317,7 +422,7 @@ class _RankRun:
         if self.fp8 is not None:
             row.update(overflow=int(vec[1]), underflow=int(vec[2]))
         row["comm_bytes"] = {k: float(v) / world for k, v in zip(keys, vec[6:].tolist())}
-        if self.fp8_names:
+        if self.grad_fp8_names:
             mu = self.reducer.mu_range()
             row["allreduce"] = {"overflow": int(vec[3]), "underflow": int(vec[4]), "nonzero": int(vec[5]),
                                 "mu_min": mu and mu[0], "mu_max": mu and mu[1]}
@@ -346,45 +451,50 @@ class _RankRun:
         bar = tqdm(total=cfg.steps, disable=not (show and self.rank == 0), unit="step", file=sys.stderr,
                    desc=f"{cfg.recipe}/{cfg.backend} x{self.world}", dynamic_ncols=True)
         t_start = time.perf_counter()
-        rows = []
+        last = cfg.steps if self.opts.get("stop_after") is None else min(cfg.steps, int(self.opts["stop_after"]))
+        bar.update(self.start_step)
         try:
-            for step in range(1, cfg.steps + 1):
+            for step in range(self.start_step + 1, last + 1):
                 row = self.train_step(step)
                 if self.rank == 0:
                     if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
                         row["val_loss"] = self.evaluate()
                     with open(self.out / "metrics.jsonl", "a") as f:
                         f.write(json.dumps(row) + "\n")
-                rows.append(row)
+                if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                    self.save(step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.4f}")
         finally:
             bar.close()
             if self.recorder is not None:
-                self.recorder.close()
+                if last == cfg.steps:
+                    self.recorder.close()
+                else:
+                    self.recorder.flush()
+        if last < cfg.steps:
+            return  # stopped early (as if killed): no summary
         mems = [self.memory()]
         if self.world > 1:
             mems = [None] * self.world
             dist.all_gather_object(mems, self.memory())
         if self.rank == 0:
-            self._finish(rows, mems, time.perf_counter() - t_start)
+            from fp8sim.training.trainer import read_metrics
+
+            self._finish(read_metrics(self.out), mems, time.perf_counter() - t_start)
 
     def _finish(self, rows: list[dict], mems: list[dict], wall_s: float) -> None:
         import json
 
-        from fp8sim.training.checkpoint import save_checkpoint
-
         cfg = self.cfg
-        save_checkpoint(self.out, step=cfg.steps, model=self.model, optimizer=self.optimizer,
-                        policies=self.fp8.state_dict() if self.fp8 is not None else None, config=cfg.to_dict(),
-                        extra={"world": self.world, "rank": 0})
         vals = [r["val_loss"] for r in rows if "val_loss" in r]
         comm = {k: sum(r["comm_bytes"][k] for r in rows) / len(rows) for k in rows[0]["comm_bytes"]}
         if comm["wgrad_bf16_equiv"]:
             comm["wgrad_fp8_vs_bf16"] = (comm["wgrad_fp8"] + comm["scales"]) / comm["wgrad_bf16_equiv"]
         times = sorted(r["step_time_s"] for r in rows)
         summary = {
-            "config": cfg.to_dict(), "recipe": self.recipe.to_dict(), "nproc": self.world,
+            "config": cfg.to_dict(), "recipe": self.recipe.to_dict(), "options": self._run_options(),
+            "nproc": self.world,
             "parameters": self.model.num_params(), "steps_done": rows[-1]["step"],
             "final_loss": rows[-1]["loss"], "final_val_loss": vals[-1] if vals else None,
             "overflow": sum(r.get("overflow", 0) for r in rows), "underflow": sum(r.get("underflow", 0) for r in rows),
@@ -393,7 +503,7 @@ class _RankRun:
             "median_step_time_s": times[len(times) // 2], "wall_s": wall_s,
             "corpus": {"source": self.corpus.source, "bytes": self.corpus.num_bytes, "files": self.corpus.num_files},
         }
-        if self.fp8_names:
+        if self.grad_fp8_names:
             summary["allreduce"] = {k: sum(r["allreduce"][k] for r in rows) for k in ("overflow", "underflow", "nonzero")}
             summary["allreduce"]["mu_final"] = rows[-1]["allreduce"]["mu_min"], rows[-1]["allreduce"]["mu_max"]
         if self.zero is not None:

@@ -33,10 +33,12 @@ import torch
 from fp8sim.formats import get_format
 from fp8sim.training.allreduce_sim import decode_codes, sum_codes
 
-__all__ = ["GRAD_SCALINGS", "COMM_CATEGORIES", "ring_bytes", "CommCounter", "Fp8GradReducer"]
+__all__ = ["GRAD_SCALINGS", "FP8_GRAD_SCOPES", "COMM_CATEGORIES", "ring_bytes", "CommCounter", "Fp8GradReducer"]
 
 #: how the shared gradient scale is chosen: FP8-LM's AutoScale or MS-AMP's fixed 1/sqrt(N)
 GRAD_SCALINGS = ("autoscale", "msamp")
+#: which gradients travel in FP8: every parameter's, or only the FP8 linears' weights' (MS-AMP)
+FP8_GRAD_SCOPES = ("all", "linear")
 #: categories of the bytes a rank sends
 COMM_CATEGORIES = ("wgrad_fp8", "scales", "grads_other", "weights")
 
@@ -232,6 +234,16 @@ class Fp8GradReducer:
             self.stash[id(p)] = (v, None)
             out.append(v.float())
         return out
+
+    def state_dict(self) -> dict:
+        """AutoScale's per-tensor state (identical on every rank), for checkpoints."""
+        return {"scaling": self.scaling, "policy": self.policy.state_dict() if self.policy is not None else None}
+
+    def load_state_dict(self, d: dict) -> None:
+        if d.get("scaling") != self.scaling:
+            raise ValueError(f"gradient reducer state is for scaling {d.get('scaling')!r}, this run uses {self.scaling!r}")
+        if self.policy is not None:
+            self.policy.load_state_dict(d["policy"])
 
     def mu_range(self) -> tuple[float, float] | None:
         """Smallest and largest AutoScale mu over the tensors seen (None for MS-AMP scaling)."""

@@ -153,6 +153,22 @@ class Fp8AdamW(torch.optim.Optimizer):
             "v_amax": torch.tensor(0.0, dtype=torch.float32),
         }
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a :meth:`state_dict`, keeping every state tensor's stored dtype (torch's loader
+        would turn the float16 masters and second moments into the parameters' float32)."""
+        import itertools
+
+        ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        dtypes = {pid: {k: v.dtype for k, v in state_dict["state"].get(pid, {}).items() if torch.is_tensor(v)}
+                  for pid in ids}
+        super().load_state_dict(state_dict)
+        params = list(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
+        for pid, p in zip(ids, params):
+            st = self.state.get(p, {})
+            for k, dt in dtypes[pid].items():
+                if st[k].dtype != dt:
+                    st[k] = st[k].to(dt)  # float16 -> float32 -> float16 is exact
+
     def master_value(self, p: torch.Tensor) -> torch.Tensor:
         """The master weight of ``p`` decoded to float32."""
         st = self.state[p]

@@ -21,6 +21,10 @@ forward, E5M2 output gradients, delayed scaling), ``te-current`` (hybrid, curren
 and FP8-LM's levels ``fp8lm-o1`` / ``-o2`` / ``-o3`` (MS-AMP's power-of-two scaling; E4M3 weight
 gradients averaged by the FP8 all-reduce with AutoScale; O2 adds the FP8-LM Adam, O3 E4M3 weights
 sharded ZeRO-style), which train through :func:`fp8sim.training.distributed.train_distributed`.
+Their ``extra`` holds ``grad_scaling`` (``autoscale`` | ``msamp``) and ``fp8_grads``: ``all`` (every
+parameter's gradient is E4M3 with a per-tensor scale -- in the all-reduce and as the optimizer's
+stored gradient; the paper's 6 bytes per parameter count all parameters) or ``linear`` (only the
+FP8 linears' weight gradients, as MS-AMP does; the rest travel in bfloat16).
 """
 
 from __future__ import annotations
@@ -175,7 +179,8 @@ def _mx() -> Recipe:
 
 def _fp8lm(level: int) -> Recipe:
     # MS-AMP's scaling: power-of-two scales, amax window 16 for activations and output gradients,
-    # 1 for weights and weight gradients; weight gradients cast to E4M3 (FP8-LM O1)
+    # 1 for weights and weight gradients; weight gradients cast to E4M3 (FP8-LM O1); every
+    # gradient (not only the FP8 linears') in E4M3 through the all-reduce and the optimizer
     lin = LinearRecipe(
         input=CastConfig("e4m3", "msamp"),
         weight=CastConfig("e4m3", "msamp:window=1"),
@@ -190,7 +195,7 @@ def _fp8lm(level: int) -> Recipe:
     return Recipe(
         f"fp8lm-o{level}", f"FP8-LM O{level}: {what}", linear=lin,
         optimizer="adamw" if level == 1 else "fp8-adamw", grad_comm="fp8",
-        weight_storage="fp8" if level == 3 else "fp32", extra=(("grad_scaling", "autoscale"),),
+        weight_storage="fp8" if level == 3 else "fp32", extra=(("grad_scaling", "autoscale"), ("fp8_grads", "all")),
     )
 
 

@@ -1,0 +1,104 @@
+"""Checkpoints of data-parallel runs: one file per rank, committed together.
+
+Layout in the run directory::
+
+    checkpoint/step00000040/rank0.pt   rank 0's state after 40 steps
+    checkpoint/step00000040/rank1.pt   ...
+    checkpoint/LATEST                  {"step": 40, "world": 2}
+
+Every rank writes its own file (temp file + rename); after a barrier -- every file of the step is
+complete -- rank 0 moves ``LATEST`` to the new step (temp file + rename) and only then removes the
+older step directories. A kill at any moment therefore leaves ``LATEST`` naming a complete set.
+Files are read back with ``torch.load(weights_only=True)`` (untrusted input); numpy arrays in
+policy states are stored as tensors (see :mod:`fp8sim.training.checkpoint`).
+
+What a rank file holds (see :meth:`fp8sim.training.distributed._RankRun.checkpoint_payload`): the
+step, world size, run config and options; the rank's RNG states; its FP8 linears' scaling-policy
+states (each rank's casts observe their own activations, so these differ between ranks); the
+gradient reducer's AutoScale state; the optimizer (rank 0 only for replicated optimizers, every
+rank its own shard under ZeRO); the model (rank 0 only: the weights are identical on every rank);
+the trace recorder's state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fp8sim.training.checkpoint import from_storable, to_storable
+
+__all__ = ["CHECKPOINT_DIR", "save_rank_checkpoint", "latest_checkpoint", "load_rank_checkpoint"]
+
+CHECKPOINT_DIR = "checkpoint"
+_VERSION = 1
+
+
+def _step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINT_DIR / f"step{step:08d}"
+
+
+def save_rank_checkpoint(
+    run_dir: str | os.PathLike,
+    *,
+    step: int,
+    rank: int,
+    world: int,
+    payload: dict,
+    barrier: Callable[[], None] | None = None,
+) -> Path:
+    """Write this rank's ``payload`` for ``step``; every rank calls it (collectively: ``barrier``
+    is the process group's barrier, None for one rank). Returns the rank's file."""
+    run = Path(run_dir)
+    d = _step_dir(run, step)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"rank{rank}.pt"
+    tmp = path.with_name(path.name + ".tmp")
+    body = {"version": _VERSION, "step": int(step), "rank": int(rank), "world": int(world), **payload}
+    torch.save(to_storable(body), tmp)
+    os.replace(tmp, path)
+    if barrier is not None:
+        barrier()  # every rank's file of this step is complete
+    if rank == 0:
+        latest = run / CHECKPOINT_DIR / "LATEST"
+        tmp_latest = latest.with_name("LATEST.tmp")
+        tmp_latest.write_text(json.dumps({"step": int(step), "world": int(world)}) + "\n")
+        os.replace(tmp_latest, latest)
+        for old in (run / CHECKPOINT_DIR).glob("step*"):
+            # only older steps: a later step's directory may already be in the making
+            if old.is_dir() and old.name[4:].isdigit() and int(old.name[4:]) < step:
+                shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> dict | None:
+    """``{"step", "world"}`` of the last complete checkpoint in ``run_dir``, or None."""
+    latest = Path(run_dir) / CHECKPOINT_DIR / "LATEST"
+    if not latest.is_file():
+        return None
+    try:
+        info = json.loads(latest.read_text())
+        return {"step": int(info["step"]), "world": int(info["world"])}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{latest}: not a checkpoint index ({exc})") from None
+
+
+def load_rank_checkpoint(run_dir: str | os.PathLike, rank: int, *, step: int | None = None) -> dict:
+    """Rank ``rank``'s payload of the last complete checkpoint (or of ``step``)."""
+    run = Path(run_dir)
+    if step is None:
+        info = latest_checkpoint(run)
+        if info is None:
+            raise FileNotFoundError(f"{run}: no data-parallel checkpoint ({CHECKPOINT_DIR}/LATEST missing)")
+        step = info["step"]
+    path = _step_dir(run, step) / f"rank{rank}.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing (the checkpoint was written by fewer ranks?)")
+    body = torch.load(path, map_location="cpu", weights_only=True)
+    if body.get("version") != _VERSION:
+        raise ValueError(f"{path}: checkpoint version {body.get('version')!r}, expected {_VERSION}")
+    return from_storable(body)

@@ -1,0 +1,126 @@
+"""Checkpoint/resume of data-parallel and FP8-LM runs: a run stopped after a step and resumed
+from its last checkpoint writes the same losses, bit for bit, and ends in the same state (every
+rank's policies, AutoScale state, optimizer shard, model) as the run that never stopped."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fp8sim.training.dist_checkpoint import latest_checkpoint, load_rank_checkpoint
+from fp8sim.training.distributed import train_distributed
+
+
+def _cfg(recipe: str, steps: int = 6):
+    from fp8sim.training.model import GPTConfig
+    from fp8sim.training.trainer import TrainConfig
+
+    return TrainConfig(recipe=recipe, steps=steps, batch_size=8, lr=1e-2, warmup=2, eval_every=0, eval_batches=1,
+                       checkpoint_every=2, max_bytes=2**20, model=GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
+
+
+def _rows(run) -> list[dict]:
+    return [json.loads(line) for line in open(run / "metrics.jsonl")]
+
+
+def _assert_same(a, b, where: str = "") -> None:
+    """Exact equality of nested checkpoint payloads (tensors and arrays bit for bit)."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b), where
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, set(a) ^ set(b))
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and np.isnan(a):
+        assert np.isnan(b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+def _stop_resume_and_compare(tmp_path, recipe: str, nproc: int) -> None:
+    cfg = _cfg(recipe)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train_distributed(cfg, full, nproc=nproc, progress=False)
+    train_distributed(cfg, cut, nproc=nproc, progress=False, stop_after=3)  # as if killed after step 3
+    # the last complete checkpoint is step 2 (every 2 steps); older ones are gone
+    assert latest_checkpoint(cut) == {"step": 2, "world": nproc}
+    assert [d.name for d in (cut / "checkpoint").glob("step*")] == ["step00000002"]
+    assert [r["step"] for r in _rows(cut)] == [1, 2, 3] and not (cut / "run.json").exists()
+    train_distributed(cfg, cut, nproc=nproc, progress=False, resume=True)
+    a, b = _rows(full), _rows(cut)
+    assert [r["step"] for r in b] == list(range(1, 7))  # step 3 was run again, logged once
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    for rank in range(nproc):
+        ca, cb = load_rank_checkpoint(full, rank), load_rank_checkpoint(cut, rank)
+        assert ca["step"] == cb["step"] == 6
+        for key in ("policies", "reducer", "optimizer", "model"):
+            _assert_same(ca[key], cb[key], f"rank{rank}.{key}")
+        _assert_same(ca["rng"]["torch"], cb["rng"]["torch"], f"rank{rank}.rng")  # Python's is unseeded
+    sa, sb = (json.loads((d / "run.json").read_text()) for d in (full, cut))
+    assert sa["final_loss"] == sb["final_loss"] and sa["steps_done"] == sb["steps_done"] == 6
+    assert sa["memory_bytes_per_param"] == sb["memory_bytes_per_param"]
+
+
+def test_two_rank_o3_resumes_bit_exactly(tmp_path):
+    # O3: each rank's optimizer shard, E4M3 weights regathered from the masters, AutoScale's mu
+    _stop_resume_and_compare(tmp_path, "fp8lm-o3", 2)
+    ranks = [load_rank_checkpoint(tmp_path / "cut", r) for r in (0, 1)]
+    assert ranks[0]["model"] is not None and ranks[1]["model"] is None  # the model once (rank 0)
+    owned = [set(c["optimizer"]["state"]) for c in ranks]
+    assert all(owned)  # both ranks hold a non-empty shard of the optimizer state
+
+
+def test_one_rank_o2_resumes_bit_exactly(tmp_path):
+    # Fp8AdamW state keeps its dtypes through load_state_dict (float16 masters, uint8 moments)
+    _stop_resume_and_compare(tmp_path, "fp8lm-o2", 1)
+    from fp8sim.training.distributed import _RankRun
+
+    run = _RankRun(0, 1, _cfg("fp8lm-o2"), str(tmp_path / "cut"), {"progress": False, "resume": True})
+    st = next(iter(run.optimizer.state.values()))
+    assert (st["master"].dtype, st["exp_avg"].dtype, st["exp_avg_sq"].dtype) == (
+        torch.float16, torch.uint8, torch.float16)
+
+
+def test_resume_refuses_a_different_run(tmp_path):
+    cfg = _cfg("fp8lm-o1", steps=2)
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match="no data-parallel checkpoint"):
+        train_distributed(cfg, run, progress=False, resume=True)
+    train_distributed(cfg, run, progress=False)
+    with pytest.raises(ValueError, match="already holds a run"):
+        train_distributed(cfg, run, progress=False)
+    with pytest.raises(ValueError, match="checkpointed by 1 ranks, not 2"):
+        train_distributed(_cfg("fp8lm-o1", steps=4), run, nproc=2, progress=False, resume=True)
+    with pytest.raises(ValueError, match="different config"):
+        train_distributed(_cfg("fp8lm-o1", steps=4), run, progress=False, resume=True)
+    with pytest.raises(ValueError, match="trained with"):
+        train_distributed(cfg, run, fp8_grads="linear", progress=False, resume=True)
+    with pytest.raises(ValueError, match="fp8lm recipes"):
+        train_distributed(_cfg("bf16"), tmp_path / "bf16", fp8_grads="all", progress=False)
+
+
+def test_cli_resumes_an_fp8lm_run(tmp_path, capsys):
+    import cli
+
+    small = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+             "--steps", "3", "--warmup", "1", "--eval-every", "3", "--checkpoint-every", "1", "--json"]
+    out = str(tmp_path / "o2")
+    assert cli.main(["train", "--recipe", "fp8lm-o2", "--out", out, *small]) == 0
+    first = json.loads(capsys.readouterr().out)
+    # resuming a finished run re-runs nothing and reports the same summary
+    assert cli.main(["train", "--recipe", "fp8lm-o2", "--out", out, "--resume", *small]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["final_loss"] == first["final_loss"] and again["steps_done"] == 3
+    assert cli.main(["train", "--recipe", "fp8lm-o2", "--out", out, "--resume", "--fp8-grads", "linear", *small]) == 2
+    assert "trained with" in capsys.readouterr().err
