@@ -20,6 +20,9 @@ E4M3 = fp8sim.get_format("e4m3")
 SHAPES = {"a.weight": (37, 24), "b.weight": (16, 5)}  # odd sizes: the uint8 payload needs padding
 
 
+OWNERS = {"a.weight": 1, "b.weight": 0, "a.bias": 0}
+
+
 def _grads(rank: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + rank)
     out = {n: torch.randn(s, generator=g) * 10.0 ** (-3 - rank) for n, s in SHAPES.items()}
@@ -57,6 +60,16 @@ def _session(rank: int, world: int, tmp: str, init_file: str) -> None:
     res["stash"] = {n: red.stash[id(params[n])] for n in grads}
     res["bytes"] = counter.pop()
     res["mu"] = {n: red.policy.mu(n) for n in SHAPES}
+
+    # 1b. ZeRO owners: each gradient reduced onto its owner only, the same codes as the all-reduce
+    everything = set(grads)  # every gradient in FP8 (fp8_grads=all)
+    red_all = Fp8GradReducer(params.items(), everything, world=world)
+    c_own = CommCounter(world)
+    red_own = Fp8GradReducer(params.items(), everything, world=world, owners=OWNERS, counter=c_own)
+    items = [(params[n], grads[n]) for n in grads]
+    res["owners"] = {"all": red_all.reduce(items), "own": red_own.reduce(items), "bytes": c_own.pop(),
+                     "mu_all": {n: red_all.policy.mu(n) for n in grads}, "mu_own": {n: red_own.policy.mu(n) for n in grads},
+                     "stashed": sorted(n for n in grads if id(params[n]) in red_own.stash)}
 
     # 2. the DDP hook gives what reduce() gives on the local gradients
     torch.manual_seed(0)
@@ -171,6 +184,25 @@ def test_bytes_sent_per_rank(session):
     assert (b["wgrad_fp8"] + b["scales"]) / b["wgrad_bf16_equiv"] <= 0.55
 
 
+def test_reduce_to_owners_gives_the_owner_the_all_reduce_result(session):
+    _, res = session
+    names = list(_grads(0))
+    for r in range(WORLD):
+        o = res[r]["owners"]
+        for name, got, want in zip(names, o["own"], o["all"]):
+            if OWNERS[name] == r:  # the owner: bit for bit the all-reduce's gradient
+                assert torch.equal(got, want), name
+            else:  # the others hold nothing for it
+                assert not got.any(), name
+        assert o["stashed"] == sorted(n for n in names if OWNERS[n] == r)
+        assert o["mu_own"] == o["mu_all"]  # AutoScale identical on every rank (owners' counts shared)
+        # one uneven all_to_all: every byte for another owner is sent once; no all_gather
+        numel = {n: math.prod(g.shape) for n, g in _grads(0).items()}
+        sent = sum(v for n, v in numel.items() if OWNERS[n] != r)
+        assert o["bytes"]["wgrad_fp8"] == sent and o["bytes"]["wgrad_bf16_equiv"] == 2 * sent
+        assert o["bytes"]["scales"] == 2 * ring_bytes("all_reduce", 4 * len(names), WORLD)  # scales + at-max counts
+
+
 def test_ddp_hook_matches_direct_reduce(session):
     _, res = session
     for r in range(WORLD):
@@ -214,9 +246,15 @@ def test_o1_o2_o3_train_with_decreasing_loss(session):
             whole = run["memory_bytes_per_param"]  # every parameter (fp8_grads=all), per-tensor scalars aside
             n_tensors = 2 + 12 * 1 + 2  # wte, wpe; 12 per block; ln_f
             assert whole["fp8lm"] == pytest.approx(6 + 28 * n_tensors / whole["parameters"], abs=1e-9), whole
-        if level == 3:  # E4M3 weights and grads on every rank; masters and moments sharded
-            assert all(1 <= m["weights"] <= 1.01 and 1 <= m["grads"] <= 1.01 for m in ranks)
+        if level == 3:  # E4M3 weights on every rank; gradients, masters and moments sharded
+            assert all(1 <= m["weights"] <= 1.01 and 0 < m["grads"] < 1 for m in ranks), ranks
+            assert 1 <= sum(m["grads"] for m in ranks) <= 1.01
             assert 5 <= sum(m["master"] + m["optimizer"] for m in ranks) <= 5.02
+            # the FP8 gradients go to their owners only: (N-1)/N of the payload, no all-gather
+            c = run["comm_bytes_per_step"]
+            assert c["wgrad_fp8"] < 0.75 * json.loads((tmp / "o2" / "run.json").read_text())["comm_bytes_per_step"][
+                "wgrad_fp8"]
+            assert c["wgrad_bf16_equiv"] == 2 * c["wgrad_fp8"]
     bf16 = json.loads((tmp / "bf16" / "run.json").read_text())
     assert bf16["memory_bytes_per_param"]["fp8lm"] == pytest.approx(16, abs=0.01)
     o2 = json.loads((tmp / "o2" / "run.json").read_text())

@@ -269,6 +269,8 @@ class _RankRun:
             self.zero = ZeroFp8Weights(named, self.fp8_names, rank=rank, world=world, count_bytes=self.counter.add,
                                        optimizer_kwargs={**hp, "backend": cfg.backend, "grad_source": self.reducer.grad_for})
             self.optimizer = self.zero.optimizer
+            if world > 1:  # each FP8 gradient is reduced onto its owner only (reduce-scatter, no all-gather)
+                self.reducer.owners = {n: o for (n, _), o in zip(self.zero.params, self.zero.owner)}
         else:
             self.optimizer = Fp8AdamW(self.params, **hp, backend=cfg.backend, grad_source=self.reducer.grad_for)
         self.counter.pop()  # the initial weight gather is set-up, not a training step
@@ -405,6 +407,11 @@ class _RankRun:
             self.optimizer.step()
         else:  # FP8-LM Adam: clipping goes into the gradients' scale_inv; the grads live in the stash
             grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None]))
+            if self.reducer.owners is not None:  # each rank holds its owned gradients (the rest read 0)
+                sq = torch.tensor([grad_norm * grad_norm], dtype=torch.float64)
+                dist.all_reduce(sq)
+                self.counter.add("scales", "all_reduce", 8)
+                grad_norm = float(sq.sqrt())
             coef = min(1.0, max_norm / (grad_norm + 1e-6))
             for p in self.params:
                 p.grad = None

@@ -14,7 +14,13 @@ The FP8 all-reduce (FP8-LM section 2.1) of the FP8 linears' weight gradients, pe
    ``scale_inv = float32(float32(1 / s) / N)``.
 
 AutoScale observes the share of summed codes at ``fmt.max`` (identical on every rank, so the
-policies stay in step without communication). The other gradients are averaged by an
+policies stay in step without communication).
+
+With ``owners`` (FP8-LM O3: every tensor lives on one rank, :mod:`fp8sim.training.zero`) step 4
+sends each tensor only to its owner -- ``all_to_all`` with uneven splits, every rank's payload
+grouped by destination -- and step 5 is skipped: the owner alone holds the reduced gradient, the
+other ranks' copy of it reads zero. The counts of sums at ``fmt.max`` then travel in one small
+``all_reduce`` (int32 per tensor) so AutoScale stays identical on every rank. The other gradients are averaged by an
 ``all_reduce`` in bfloat16 (or float32). The reduced gradients are kept in :attr:`Fp8GradReducer.stash`
 as they were communicated (codes + scale_inv, or bfloat16 values) for the FP8 optimizer.
 
@@ -65,6 +71,10 @@ class CommCounter:
     def add(self, category: str, op: str, nbytes: int) -> None:
         self.counts[category] += ring_bytes(op, nbytes, self.world)
 
+    def add_sent(self, category: str, nbytes: int) -> None:
+        """Bytes this rank sends point to point (an uneven ``all_to_all``), counted as they are."""
+        self.counts[category] += int(nbytes)
+
     def pop(self) -> dict[str, int]:
         out = {k: int(self.counts.get(k, 0)) for k in (*COMM_CATEGORIES, "wgrad_bf16_equiv")}
         self.counts.clear()
@@ -86,6 +96,7 @@ class Fp8GradReducer:
         other_dtype: dtype of the other gradients' all-reduce (torch.bfloat16 or torch.float32).
         backend: FP8 backend name or object (quantize / amax).
         counter: a :class:`CommCounter` (created if None).
+        owners: ``{name: rank}`` of the FP8 gradients' owners (ZeRO); None: every rank gets all.
     """
 
     def __init__(
@@ -100,6 +111,7 @@ class Fp8GradReducer:
         other_dtype: torch.dtype = torch.bfloat16,
         backend: str | Any = "emulator",
         counter: CommCounter | None = None,
+        owners: dict[str, int] | None = None,
     ) -> None:
         from fp8sim import backends
         from fp8sim.policies import parse_policy
@@ -117,6 +129,7 @@ class Fp8GradReducer:
         self.other_dtype = other_dtype
         self.backend = backends.get(backend) if isinstance(backend, str) else backend
         self.counter = counter if counter is not None else CommCounter(world)
+        self.owners = owners
         self.stash: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.stats: Counter = Counter()
 
@@ -189,6 +202,8 @@ class Fp8GradReducer:
             self.stats["underflow"] += int((nz & (mag == 0)).sum())
             self.stats["nonzero"] += int(nz.sum())
             codes.append(c.reshape(-1))
+        if self.owners is not None and n > 1:
+            return self._reduce_fp8_to_owners(items, names, scales, amaxes, codes)
         flat = torch.cat(codes)
         numel = flat.numel()
         pad = (-numel) % n
@@ -217,6 +232,48 @@ class Fp8GradReducer:
                 at_max = int(((c & (fmt.sign_mask - 1)) == fmt.max_code).sum())
                 self.policy.observe(nm, a, fmt, numel=c.numel(), n_at_max=at_max)
         return out
+
+    def _reduce_fp8_to_owners(self, items, names, scales, amaxes, codes) -> list[torch.Tensor]:
+        """Steps 4-5 under ZeRO: each tensor's N copies go to its owner only, which sums them."""
+        import torch.distributed as dist
+
+        n, fmt, me = self.world, self.fmt, self._group_rank()
+        dest = [int(self.owners[nm]) for nm in names]
+        order = sorted(range(len(items)), key=lambda i: (dest[i], i))  # payload grouped by owner
+        send = torch.cat([codes[i] for i in order])
+        splits = [sum(codes[i].numel() for i in order if dest[i] == d) for d in range(n)]
+        mine = [i for i in order if dest[i] == me]
+        recv = torch.empty(splits[me] * n, dtype=torch.uint8, device=send.device)
+        dist.all_to_all_single(recv, send, output_split_sizes=[splits[me]] * n, input_split_sizes=splits,
+                               group=self.group)
+        sent = send.numel() - splits[me]
+        self.counter.add_sent("wgrad_fp8", sent)
+        self.counter.add_sent("wgrad_bf16_equiv", 2 * sent)  # the same reduce-scatter in bfloat16
+        at_max = torch.zeros(len(items), dtype=torch.int32)
+        out: list[torch.Tensor] = [torch.zeros_like(g, dtype=torch.float32) for _, g in items]
+        if mine:
+            summed, over = sum_codes(list(recv.split(splits[me])), fmt, self.backend)
+            self.stats["overflow"] += over
+            off = 0
+            for i in mine:
+                p, g = items[i]
+                c = summed[off : off + g.numel()].view(g.shape)
+                off += g.numel()
+                sinv = (torch.reciprocal(scales[i]) / n).to(torch.float32)
+                self.stash[id(p)] = (c, sinv)
+                out[i] = decode_codes(c, fmt) * sinv
+                at_max[i] = int(((c & (fmt.sign_mask - 1)) == fmt.max_code).sum())
+        if self.policy is not None:
+            dist.all_reduce(at_max, group=self.group)  # every rank's AutoScale sees the owners' counts
+            self.counter.add("scales", "all_reduce", at_max.numel() * 4)
+            for i, (nm, a) in enumerate(zip(names, amaxes)):
+                self.policy.observe(nm, a, fmt, numel=items[i][1].numel(), n_at_max=int(at_max[i]))
+        return out
+
+    def _group_rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group)
 
     # -- the other gradients --------------------------------------------------------------------
     def _reduce_other(self, items: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:

@@ -6,8 +6,9 @@ placed instead: largest first, each on the rank with the least memory assigned s
 (:func:`place_tensors`; ties broken by tensor index and then by the lowest rank, as MS-AMP's
 ``FP8DeepSpeedZeroOptimizer`` does).
 
-:class:`ZeroFp8Weights` runs the O3 step: the owner of a tensor keeps its FP16 master and its
-Adam states (an :class:`~fp8sim.training.optim.Fp8AdamW` over the owned tensors only) and updates
+:class:`ZeroFp8Weights` runs the O3 step: the owner of a tensor receives its reduced gradient
+(the FP8 gradient reducer sends each tensor to its owner only, see
+:mod:`fp8sim.training.fp8_allreduce`), keeps its FP16 master and its Adam states (an :class:`~fp8sim.training.optim.Fp8AdamW` over the owned tensors only) and updates
 it; then every owner broadcasts its new weights in one buffer -- E4M3 codes for the FP8 linears'
 weights, FP16 master values for the others -- together with their ``scale_inv`` (one float32
 each). Every rank stores the FP8 weights as codes between steps and decodes them into the
