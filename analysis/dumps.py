@@ -13,6 +13,8 @@ Memory: tensor data is never loaded whole. A :class:`TensorSource` hands out fla
 ranges (``read(start, stop)``) through ``os.pread`` (safetensors, .npy, stored .npz members), a
 sequential decompressing stream (deflated .npz members), or torch's mmap with the pages dropped
 again after each range (.pt), so resident memory stays bounded by the chunk size, not the dump.
+Fortran-ordered arrays and non-contiguous tensors are copied out of a file mapping piece by piece
+(:mod:`analysis.dumps_strided`), which bounds them the same way.
 
 Nested containers (dicts, lists, tuples in a .pt; ``/`` in npz member names) become dotted names:
 ``{"model": {"layers": [{"w": t}]}}`` -> ``model.layers.0.w``.
@@ -31,6 +33,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from analysis.dumps_strided import fetch_strided_reader, fortran_strides, mmap_strided_reader
 from fp8sim.trace import TraceReader, is_trace
 
 __all__ = [
@@ -252,17 +255,10 @@ def _np_dtype_name(dt: np.dtype) -> tuple[str, Any]:
     return dt.name, None
 
 
-def _fortran_reader(base_read: Callable, shape: tuple[int, ...], raw: Any):
-    """Fortran-ordered arrays: read the whole array once (they are rare), then serve C order."""
-    cache: dict[str, np.ndarray] = {}
-
-    def read(start: int, stop: int) -> np.ndarray:
-        if "a" not in cache:
-            n = int(np.prod(shape)) if shape else 1
-            cache["a"] = np.ascontiguousarray(base_read(0, n).reshape(shape[::-1]).T).reshape(-1)
-        return cache["a"][start:stop]
-
-    return read
+def _is_fortran_strided(fortran: bool, shape: tuple[int, ...]) -> bool:
+    """Whether a Fortran-ordered array's C order differs from its memory order (two or more
+    axes longer than 1)."""
+    return fortran and sum(n > 1 for n in shape) > 1
 
 
 def _open_npy(path: str) -> Dump:
@@ -284,9 +280,10 @@ def _open_npy(path: str) -> Dump:
         )
     reader = None
     if raw is not None:
-        reader = _pread_reader(path, offset, raw, dt.itemsize)
-        if fortran and len(shape) > 1:
-            reader = _fortran_reader(reader, shape, raw)
+        if _is_fortran_strided(fortran, shape):
+            reader = mmap_strided_reader(path, offset, shape, fortran_strides(shape, dt.itemsize), raw)
+        else:
+            reader = _pread_reader(path, offset, raw, dt.itemsize)
     return Dump(path, "npy", [TensorSource(Path(path).stem, path, shape, name, reader)])
 
 
@@ -358,15 +355,20 @@ def _open_npz(path: str) -> Dump:
                 )
             reader = None
             if raw is not None:
+                strided = _is_fortran_strided(fortran, shape)
+                strides = fortran_strides(shape, dt.itemsize)
                 if info.compress_type == zipfile.ZIP_STORED:
                     off = _zip_data_offset(path, info) + header_len
                     if off + numel * dt.itemsize > os.path.getsize(path):
                         raise ValueError(f"{path}: truncated .npz: member {info.filename} cut off")
-                    reader = _pread_reader(path, off, raw, dt.itemsize)
+                    if strided:
+                        reader = mmap_strided_reader(path, off, shape, strides, raw)
+                    else:
+                        reader = _pread_reader(path, off, raw, dt.itemsize)
                 else:
                     reader = _stream_reader(path, info.filename, header_len, raw, dt.itemsize)
-                if fortran and len(shape) > 1:
-                    reader = _fortran_reader(reader, shape, raw)
+                    if strided:
+                        reader = fetch_strided_reader(reader, shape, strides, raw)
             tensors.append(TensorSource(member_name, path, shape, name, reader))
     return Dump(path, "npz", tensors, skipped)
 

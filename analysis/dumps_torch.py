@@ -1,66 +1,150 @@
 """Lazy, memory-bounded loading of PyTorch ``.pt``/``.pth`` dumps (see :mod:`analysis.dumps`).
 
-Only ``torch.load(..., weights_only=True)``: a pickle that wants to run code is refused with a
-clear message, never executed. Zip-format files are memory-mapped and read in chunks, dropping
-the mapped pages behind the reader.
+Only torch's weights-only unpickler: a pickle that wants to run code is refused with a clear
+message, never executed.
+
+* Zip-format files (torch >= 1.6): ``torch.load(weights_only=True, mmap=True)``; tensors are read
+  in chunks out of the mapping, dropping the mapped pages behind the reader. Non-contiguous
+  tensors are copied piece by piece (:mod:`analysis.dumps_strided`), never made contiguous whole.
+* Legacy files (``_use_new_zipfile_serialization=False``), which torch cannot mmap: the pickles
+  are read with the weights-only unpickler onto meta-device storages (no data), the storages'
+  byte offsets are taken from the file's storage records, and tensors are read from the file by
+  ``pread`` or a strided mapping, bounded like the rest. A legacy file this cannot lay out
+  (storage views from very old torch, big-endian) is loaded whole by ``torch.load``, with a note on
+  stderr saying so.
 """
 
 from __future__ import annotations
 
-import ctypes
-import mmap
+import os
 import pickle
+import struct
+import sys
 import warnings
+import zipfile
 from typing import Any
 
 import numpy as np
 
-from analysis.dumps import FLOAT_DTYPES, Dump, TensorSource
+from analysis.dumps import _RAW, FLOAT_DTYPES, Dump, TensorSource, _pread_reader
+from analysis.dumps_strided import copy_c_range, drop_pages, mmap_strided_reader, readahead
 
 __all__ = ["open_pt"]
 
-# ------------------------------------------------------------------------------------------
-# torch
-# ------------------------------------------------------------------------------------------
-_libc = None
-
-
-def _drop_pages(addr: int, nbytes: int) -> None:
-    """madvise(MADV_DONTNEED) the whole pages of [addr, addr + nbytes): the mmap'd file pages
-    leave resident memory and are read again from the file if touched."""
-    global _libc
-    if nbytes <= 0 or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _libc = False
-    if not _libc:
-        return
-    page = mmap.PAGESIZE
-    lo = (addr + page - 1) // page * page
-    hi = (addr + nbytes) // page * page
-    if hi > lo:
-        _libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED)
-
-
 def _torch_reader(t: Any, dtype: str, mmapped: bool):
+    """read(start, stop) of a loaded tensor. Contiguous: slices of its flat view. Strided: copied
+    piece by piece out of a numpy view of its storage (never ``t.contiguous()``, which would copy
+    the whole tensor). ``mmapped``: drop the file pages behind each read."""
     import torch
 
-    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
     if dtype == "bfloat16":
-        flat = flat.view(torch.int16)
+        t = t.view(torch.int16)  # same element size: works for any strides
+    if not t.is_contiguous():
+        arr = t.numpy()  # a strided view of the storage, no copy
+        drop = None
+        if mmapped:
+            st = t.untyped_storage()
+            bounds = (st.data_ptr(), st.data_ptr() + st.nbytes())
+            drop = lambda a, n: drop_pages(a, n, bounds)  # noqa: E731
+
+        def strided(start: int, stop: int) -> np.ndarray:
+            out = copy_c_range(arr, start, stop, drop=drop)
+            return out.view(np.uint16) if dtype == "bfloat16" else out
+
+        return readahead(strided, t.numel(), t.element_size())
+    flat = t.reshape(-1)
 
     def read(start: int, stop: int) -> np.ndarray:
         part = flat[start:stop]
         out = part.numpy().copy()
         if mmapped:
-            _drop_pages(part.data_ptr(), part.numel() * part.element_size())
+            drop_pages(part.data_ptr(), part.numel() * part.element_size())
         return out.view(np.uint16) if dtype == "bfloat16" else out
 
     return read
+
+
+class _NotLegacy(Exception):
+    """The file is no legacy-format .pt this module can lay out without loading it."""
+
+
+def _load_legacy_layout(path: str) -> tuple[Any, dict[int, int]]:
+    """Read a legacy (pre-zip, ``_use_new_zipfile_serialization=False``) .pt without its data:
+    (the object with its tensors on the meta device, {storage ``_cdata``: byte offset of the
+    storage's data in the file}).
+
+    The format: pickles of the magic number, protocol version and system info, the object pickle
+    (storages as persistent ids), the pickled list of storage keys, then per key an int64 element
+    count and the raw bytes. Every pickle goes through torch's weights-only unpickler: a pickle
+    that wants to run code raises ``pickle.UnpicklingError`` before anything runs.
+
+    Raises _NotLegacy when the header is not the legacy one (or uses storage views or byte orders
+    this reader does not lay out), ValueError for a truncated or inconsistent file.
+    """
+    import torch
+    from torch._weights_only_unpickler import Unpickler
+    from torch.serialization import MAGIC_NUMBER, PROTOCOL_VERSION
+
+    roots: dict[str, tuple[Any, Any, int]] = {}  # key -> (meta storage, dtype, numel)
+
+    def persistent_load(pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 6 and pid[5] is None):
+            raise _NotLegacy(f"persistent id {type(pid).__name__} (storage views are not laid out)")
+        _, storage_type, key, _location, numel, _view = pid
+        dtype = storage_type.dtype
+        if key not in roots:
+            size = int(numel) * torch._utils._element_size(dtype)
+            roots[key] = (torch.UntypedStorage(size, device="meta"), dtype, int(numel))
+        return torch.storage.TypedStorage(wrap_storage=roots[key][0], dtype=dtype, _internal=True)
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        try:
+            head = [Unpickler(f, encoding="utf-8").load() for _ in range(3)]
+        except Exception as exc:  # tar-era files, raw pickles, garbage: torch.load decides
+            raise _NotLegacy(str(exc)) from None
+        if head[0] != MAGIC_NUMBER or head[1] != PROTOCOL_VERSION or not (
+            isinstance(head[2], dict) and head[2].get("little_endian") is True
+        ):
+            raise _NotLegacy("not a little-endian legacy .pt header")
+        unpickler = Unpickler(f, encoding="utf-8")
+        unpickler.persistent_load = persistent_load
+        obj = unpickler.load()
+        keys = Unpickler(f, encoding="utf-8").load()
+        if not isinstance(keys, list) or set(keys) != set(roots):
+            raise ValueError(f"{path}: corrupt legacy .pt: storage keys do not match the object")
+        pos = f.tell()
+        offsets = {}
+        for key in keys:
+            storage, dtype, numel = roots[key]
+            f.seek(pos)
+            head8 = f.read(8)
+            if len(head8) < 8:
+                raise ValueError(f"{path}: truncated legacy .pt: storage {key} missing")
+            (n,) = struct.unpack("<q", head8)
+            if n != numel:
+                raise ValueError(f"{path}: corrupt legacy .pt: storage {key} holds {n} elements, "
+                                 f"its tensors say {numel}")  # fmt: skip
+            offsets[storage._cdata] = pos + 8
+            pos += 8 + n * torch._utils._element_size(dtype)
+            if pos > size:
+                raise ValueError(f"{path}: truncated legacy .pt: storage {key} ends past the file")
+    return obj, offsets
+
+
+def _legacy_reader(path: str, t: Any, dtype: str, offsets: dict[int, int]):
+    """read(start, stop) of a meta tensor laid out by :func:`_load_legacy_layout`: pread when it
+    is contiguous, else a strided copy out of a file mapping (both bounded)."""
+    isz = t.element_size()
+    storage = t.untyped_storage()
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    if t.numel() and (last + 1) * isz > storage.nbytes():
+        raise ValueError(f"{path}: corrupt legacy .pt: a tensor reaches past its storage")
+    offset = offsets[storage._cdata] + t.storage_offset() * isz
+    if t.is_contiguous():
+        return _pread_reader(path, offset, _RAW[dtype], isz)
+    strides = tuple(s * isz for s in t.stride())
+    return mmap_strided_reader(path, offset, tuple(t.shape), strides, _RAW[dtype])
 
 
 #: most container entries and tensors a .pt may hold (a pickle of shared references can
@@ -108,6 +192,11 @@ def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]], skipped: list, d
         skipped.append((prefix or "value", f"not a tensor ({type(obj).__name__})"))
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _torch_dtype_name(dt: Any) -> str:
     return str(dt).replace("torch.", "")
 
@@ -120,15 +209,32 @@ def open_pt(path: str) -> Dump:
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
 
-    mmapped = True
+    mmapped, offsets, whole = True, {}, None
     try:
-        try:
-            obj = load(True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc) and "zip" not in str(exc).lower():
+        layout = None
+        if not zipfile.is_zipfile(path):
+            try:
+                with warnings.catch_warnings():  # as in load(): the error says it all
+                    warnings.simplefilter("ignore")
+                    layout = _load_legacy_layout(path)
+            except (ValueError, pickle.UnpicklingError):
                 raise
-            mmapped = False  # the legacy (pre-zip) format cannot be mmap'd
-            obj = load(False)
+            except Exception as exc:  # _NotLegacy, or a layout this reader does not handle
+                whole = _first_line(exc)
+        if layout is not None:
+            (obj, offsets), mmapped = layout, False
+        else:
+            try:
+                obj = load(True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc) and "zip" not in str(exc).lower():
+                    raise
+                mmapped = False  # not a zip: cannot be mmap'd, so torch reads it whole
+                obj = load(False)
+                print(f"note: {path}: loaded whole into memory (a non-zip .pt this reader cannot "
+                      f"lay out: {whole})", file=sys.stderr)  # fmt: skip
+    except ValueError:
+        raise
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()
         detail = next((ln.strip() for ln in first if "GLOBAL" in ln or "Unsupported" in ln), "")
@@ -137,8 +243,7 @@ def open_pt(path: str) -> Dump:
             f"torch.load(weights_only=True) only ({detail or 'unsafe pickle'})"
         ) from None
     except Exception as exc:  # truncated zip, EOF, bad magic number, ...
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path}: corrupt or truncated torch file ({msg})") from None
+        raise ValueError(f"{path}: corrupt or truncated torch file ({_first_line(exc)})") from None
     pairs: list[tuple[str, Any]] = []
     skipped: list[tuple[str, str]] = []
     _flatten(obj, "", pairs, skipped, path=path)
@@ -148,6 +253,10 @@ def open_pt(path: str) -> Dump:
             skipped.append((name, f"{str(t.layout).replace('torch.', '')} tensor (only dense tensors are read)"))
             continue
         dtype = _torch_dtype_name(t.dtype)
-        reader = _torch_reader(t, dtype, mmapped) if dtype in FLOAT_DTYPES else None
+        reader = None
+        if dtype in FLOAT_DTYPES and t.device.type == "meta":
+            reader = _legacy_reader(path, t, dtype, offsets)
+        elif dtype in FLOAT_DTYPES:
+            reader = _torch_reader(t, dtype, mmapped)
         tensors.append(TensorSource(name, path, tuple(t.shape), dtype, reader))
     return Dump(path, "pt", tensors, skipped)
