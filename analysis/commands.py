@@ -3,7 +3,8 @@
 analyze PATH... : statistics of every float tensor in dumps (safetensors, .pt/.pth, .npy, .npz,
 directories, fp8sim traces) under each ``--format`` x ``--scaling``; a worst-first table on stdout,
 ``--json FILE`` (``-``: stdout, no table), ``--plot DIR`` PNGs, ``--fail-on`` rules (exit 1).
-replay TRACE --policy SPEC... : what each scaling policy would have done over a recorded trace.
+replay TRACE --policy SPEC... : what each scaling policy would have done over a recorded trace;
+``--fail-on`` rules (exit 1) per policy x tensor x step (see :data:`analysis.report.REPLAY_FAIL_METRICS`).
 
 Exit codes: 0 ok; 1 a ``--fail-on`` rule was crossed; 2 bad input (a bad file is named with the
 reason; with ``--keep-going`` the other files are analyzed first and the bad ones listed at the
@@ -73,6 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--json", metavar="FILE", help="write JSON to FILE ('-' for stdout)")
     r.add_argument("--plot", metavar="DIR", help="write PNG heatmaps into DIR")
     r.add_argument("--no-recorded", action="store_true", help="leave out the trace's own scales")
+    r.add_argument("--fail-on", metavar="RULES",
+                   help='e.g. "overflow>0,underflow>1%%,events>2": exit 1 if any policy crosses one at '
+                        "any tensor and step (overflow/underflow: count, or %% of the finite/nonzero "
+                        "values; events: the tensor's overflow events so far)")  # fmt: skip
     r.set_defaults(func=run_replay)
 
 
@@ -377,16 +382,45 @@ def _shares(lo: Any, hi: Any, denominator: Any) -> list[float | None]:
     return [None, None] if d == 0 else [int(lo) / d, int(hi) / d]
 
 
+def _replay_failures(replays: list, rules: list) -> list[tuple]:
+    """(rule, policy, tensor, step) of every replayed record that crosses a rule: earliest step
+    first, then policy order, then recording order. A record whose counts are a bracket (a
+    non-power-of-two scale) crosses only when its whole bracket does: the lower bound is compared
+    for ``>``/``>=``, the upper for ``<``/``<=``. Shares with a zero denominator never cross."""
+    found = []
+    for pi, rp in enumerate(replays):
+        c = rp.cols
+        events: dict[int, int] = {}
+        for i in range(c["step"].size):
+            tid = int(c["tensor"][i])
+            events[tid] = events.get(tid, 0) + int(c["event"][i])
+            fin, nz = int(c["finite"][i]), int(c["nonzero"][i])
+            bound = {}
+            for b in ("lo", "hi"):
+                ov, un = int(c[f"overflow_{b}"][i]), int(c[f"underflow_{b}"][i])
+                bound[b] = {"overflow": ov, "overflow_pct": 100.0 * ov / fin if fin else None,
+                            "underflow": un, "underflow_pct": 100.0 * un / nz if nz else None,
+                            "events": events[tid]}  # fmt: skip
+            for rule in rules:
+                if rule.crossed(bound["lo" if rule.op in (">", ">=") else "hi"]):
+                    found.append((int(c["step"][i]), pi, i, rule, rp.policy, rp.names[tid]))
+    found.sort(key=lambda f: f[:3])  # stable: rules keep their order within a record
+    return [(rule, policy, tensor, step) for step, _, _, rule, policy, tensor in found]
+
+
 def run_replay(args: argparse.Namespace) -> int:
-    from analysis.report import format_replay_table
+    from analysis.report import REPLAY_FAIL_METRICS, format_replay_table, parse_fail_on
     from analysis.replay import replay_policies, summary_rows
     from fp8sim.trace import TraceReader, is_trace
 
+    rules = parse_fail_on(args.fail_on, REPLAY_FAIL_METRICS) if args.fail_on is not None else []
     if args.allreduce is not None:
         from fp8sim.training.allreduce_sim import format_allreduce_report, replay_allreduce
 
         if args.policy:
             raise ValueError("replay: --allreduce and --policy are separate replays; give one of them")
+        if rules:
+            raise ValueError("replay: --fail-on applies to --policy replays, not to --allreduce")
         result = replay_allreduce(args.trace, args.allreduce)
         if args.json is not None:
             _write_json(args.json, result)
@@ -408,6 +442,7 @@ def run_replay(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     summaries = summary_rows(replays)
+    crossed = _replay_failures(replays, rules) if rules else []
     if args.json is not None:
         per_policy = {}
         for rp in replays:
@@ -426,7 +461,9 @@ def run_replay(args: argparse.Namespace) -> int:
                 for i in range(c["step"].size)
             ]  # fmt: skip
         _write_json(args.json, {"trace": args.trace, "rounding": reader.rounding,
-                                "policies": summaries, "records": per_policy})  # fmt: skip
+                                "policies": summaries, "records": per_policy,
+                                "fail_on": [{"rule": str(rule), "policy": pol, "tensor": name,
+                                             "step": step} for rule, pol, name, step in crossed]})  # fmt: skip
     if args.json != "-":
         print(format_replay_table(summaries))
     if plot_dir:
@@ -443,4 +480,9 @@ def run_replay(args: argparse.Namespace) -> int:
                              f"{rp.policy}: {what.replace('_', ' ')} (%)", rp.names, steps,
                              100.0 * mat)  # fmt: skip
     _msg(f"replayed {n_records} records under {n_pol} policies")
+    if crossed:
+        rule, pol, name, step = crossed[0]
+        _msg(f"--fail-on: {len(crossed)} crossing(s); first: {rule} under policy {pol}: "
+             f"tensor {name} at step {step}")  # fmt: skip
+        return 1
     return 0

@@ -6,8 +6,9 @@ MX blocks were lost to a NaN scale; ``ok`` otherwise. Shares: overflow of the fi
 underflow of the nonzero finite values (the ``*_pct`` record fields).
 
 ``--fail-on`` rules: comma-separated ``METRIC OP VALUE[%]`` with OP in ``> >= < <=``; METRIC one
-of :data:`FAIL_METRICS`. With ``%`` the share in percent is compared (``underflow>1%``), without
-it the count or value (``overflow>0``, ``sqnr_db<20``).
+of :data:`FAIL_METRICS` (``analyze``) or :data:`REPLAY_FAIL_METRICS` (``replay``). With ``%`` the
+share in percent is compared (``underflow>1%``), without it the count or value (``overflow>0``,
+``sqnr_db<20``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "parse_fail_on",
     "failures",
     "FAIL_METRICS",
+    "REPLAY_FAIL_METRICS",
     "format_replay_table",
     "STATUS_ORDER",
 ]
@@ -43,6 +45,15 @@ FAIL_METRICS = {
     "sqnr_db": ("sqnr_db", None),
     "rel_mse": ("rel_mse", None),
     "amax": ("amax", None),
+}
+#: ``fp8sim replay`` rules, per policy x tensor x step record: ``overflow`` / ``underflow`` the
+#: values that overflow / underflow in the cast (count, or ``%`` of the finite / nonzero finite
+#: values), ``events`` the tensor's overflow events (its amax overflowed) under the policy so far,
+#: that step included
+REPLAY_FAIL_METRICS = {
+    "overflow": ("overflow", "overflow_pct"),
+    "underflow": ("underflow", "underflow_pct"),
+    "events": ("events", None),
 }
 _OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 _RULE_RE = re.compile(r"^\s*([a-z_0-9]+)\s*(>=|<=|>|<)\s*([-+0-9.eE]+|inf)\s*(%?)\s*$")
@@ -158,7 +169,7 @@ class FailRule:
         return f"{self.metric}{self.op}{self.value:g}{'%' if self.percent else ''}"
 
     def crossed(self, rec: dict[str, Any]) -> bool:
-        count_field, share_field = FAIL_METRICS[self.metric]
+        count_field, share_field = FAIL_METRICS.get(self.metric) or REPLAY_FAIL_METRICS[self.metric]
         key = share_field if self.percent else count_field
         if key not in rec:  # e.g. trace rows have no sqnr_db: the rule does not apply
             return False
@@ -170,18 +181,19 @@ class FailRule:
         return _OPS[self.op](v, self.value)
 
 
-def parse_fail_on(spec: str) -> list[FailRule]:
-    """Parse ``"overflow>0,underflow>1%"`` (ValueError naming the bad rule and the valid forms)."""
+def parse_fail_on(spec: str, metrics: dict[str, tuple[str, str | None]] = FAIL_METRICS) -> list[FailRule]:
+    """Parse ``"overflow>0,underflow>1%"`` with METRIC one of ``metrics`` (:data:`FAIL_METRICS`,
+    or :data:`REPLAY_FAIL_METRICS`); ValueError naming the bad rule and the valid forms."""
     rules = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         m = _RULE_RE.match(part.lower())
-        if not m or m.group(1) not in FAIL_METRICS:
+        if not m or m.group(1) not in metrics:
             raise ValueError(
                 f"--fail-on rule {part!r}: expected METRIC OP VALUE[%] with METRIC in "
-                f"{', '.join(FAIL_METRICS)} and OP in >, >=, <, <= (e.g. overflow>0,underflow>1%)"
+                f"{', '.join(metrics)} and OP in >, >=, <, <= (e.g. overflow>0,underflow>1%)"
             )
         metric, op, value, pct = m.groups()
-        if pct and FAIL_METRICS[metric][1] is None:
+        if pct and metrics[metric][1] is None:
             raise ValueError(f"--fail-on rule {part!r}: {metric} has no share; drop the %")
         try:
             val = float(value)

@@ -206,3 +206,70 @@ def test_fail_on_applies_only_to_rows_with_the_field(tmp_path, capsys):
     rule = parse_fail_on("sqnr_db>1000")[0]
     assert rule.crossed({"sqnr_db": None, "rel_mse": 0.0})  # exact: +inf dB
     assert not rule.crossed({"sqnr_db": None, "rel_mse": None})  # undefined
+
+
+def _expected_crossings(doc, crosses):
+    """(rule text, policy, tensor, step) of every replay record for which ``crosses(record,
+    events so far)`` holds, earliest step first, then policy order, then record order."""
+    found = []
+    for pi, pol in enumerate(p["policy"] for p in doc["policies"]):
+        events = {}
+        for i, r in enumerate(doc["records"][pol]):
+            events[r["tensor"]] = events.get(r["tensor"], 0) + int(r["event"])
+            for rule, hit in crosses(r, events[r["tensor"]]):
+                if hit:
+                    found.append((r["step"], pi, i, rule, pol, r["tensor"]))
+    found.sort(key=lambda f: f[:3])
+    return [(rule, pol, name, step) for step, _, _, rule, pol, name in found]
+
+
+def test_replay_fail_on(trace, tmp_path, capsys):
+    pols = ["--policy", "delayed:history=4,margin=1", "--policy", "current:pow2", "--policy", "static:scale=3"]
+    js = tmp_path / "r.json"
+    rc, _, err = run(capsys, "replay", str(trace), *pols, "--json", str(js),
+                     "--fail-on", "overflow>0,underflow>50%,events>1")  # fmt: skip
+    doc = json.loads(js.read_text())
+
+    def crosses(r, events):
+        # brackets cross only as a whole: lower bound for ">"; shares of the nonzero values
+        return [("overflow>0", r["overflow"][0] > 0),
+                ("underflow>50%", r["nonzero"] > 0 and 100 * r["underflow"][0] / r["nonzero"] > 50),
+                ("events>1", events > 1)]  # fmt: skip
+
+    want = _expected_crossings(doc, crosses)
+    got = [(c["rule"], c["policy"], c["tensor"], c["step"]) for c in doc["fail_on"]]
+    assert got == want and {w[0] for w in want} == {"overflow>0", "underflow>50%", "events>1"}
+    rule, pol, name, step = want[0]
+    assert rc == 1
+    assert err.splitlines()[-1] == (f"--fail-on: {len(want)} crossing(s); first: {rule} under policy "
+                                    f"{pol}: tensor {name} at step {step}")  # fmt: skip
+    # a bracket [0, n] (non-power-of-two scale) crosses neither overflow>0 nor overflow<1
+    split = [(p, r["tensor"], r["step"]) for p, recs in doc["records"].items() for r in recs
+             if r["overflow"][0] == 0 < r["overflow"][1]]  # fmt: skip
+    highs = {(c["policy"], c["tensor"], c["step"]) for c in doc["fail_on"] if c["rule"] == "overflow>0"}
+    assert split and highs and not highs & set(split)
+    rc, _, _ = run(capsys, "replay", str(trace), *pols, "--json", str(js), "--fail-on", "overflow<1")
+    lows = {(c["policy"], c["tensor"], c["step"]) for c in json.loads(js.read_text())["fail_on"]}
+    assert rc == 1 and lows and not lows & set(split)
+    assert all(r["overflow"][1] < 1 for p, recs in doc["records"].items() for r in recs
+               if (p, r["tensor"], r["step"]) in lows)  # fmt: skip
+    # a policy that never overflows passes; so does the recorded run when left out
+    pow2_ok = all(r["overflow"] == [0, 0] for p, recs in doc["records"].items()
+                  if p.startswith("current") for r in recs)  # fmt: skip
+    assert pow2_ok
+    rc, _, err = run(capsys, "replay", str(trace), "--policy", "current:pow2", "--no-recorded",
+                     "--fail-on", "overflow>0")  # fmt: skip
+    assert rc == 0 and "--fail-on" not in err
+    rc, _, err = run(capsys, "replay", str(trace), "--allreduce", "2", "--fail-on", "overflow>0")
+    assert rc == 2 and "not to --allreduce" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("rules, says", [
+    ("sqnr_db<20", "METRIC in overflow, underflow, events"),
+    ("events>1%", "no share"),
+    ("overflow>>0", "--fail-on rule"),
+    ("", "no rules given"),
+])  # fmt: skip
+def test_replay_fail_on_bad_rules_exit_2(trace, capsys, rules, says):
+    rc, out, err = run(capsys, "replay", str(trace), "--policy", "current", "--fail-on", rules)
+    assert rc == 2 and says in err and err.count("\n") == 1 and out == ""
