@@ -9,43 +9,15 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba.core import types
-from numba.extending import intrinsic
 
+from fp8sim._bitcast import bits_f32 as _bits_f32
+from fp8sim._bitcast import f32_bits as _f32_bits
 from fp8sim._jit import jit_serial
 from fp8sim.abs_histogram import EXPONENT_MAX, EXPONENT_MIN
 
 # ------------------------------------------------------------------------------------------
 # numba kernels
 # ------------------------------------------------------------------------------------------
-@intrinsic
-def _f32_bits(typingctx, x):
-    """The uint32 bit pattern of a float32 (an LLVM bitcast)."""
-    if not (isinstance(x, types.Float) and x.bitwidth == 32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
-def _bits_f32(typingctx, u):
-    """The float32 with bit pattern ``u`` (the low 32 bits of an integer)."""
-    if not isinstance(u, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = args[0]
-        if u.bitwidth > 32:
-            v = builder.trunc(v, ir.IntType(32))
-        elif u.bitwidth < 32:
-            v = builder.zext(v, ir.IntType(32))
-        return builder.bitcast(v, ir.FloatType())
-
-    return types.float32(u), codegen
 
 
 def _parts(n: int) -> int:

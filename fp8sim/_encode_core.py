@@ -31,7 +31,11 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
+from fp8sim._bitcast import bits_f32
 from fp8sim._jit import jit_kernel, jit_scalar, serial_twin
 from fp8sim.philox import randint_scalar
 
@@ -42,6 +46,7 @@ __all__ = [
     "encode_f32_kernel",
     "encode_f64_kernel",
     "encode_fast_kernel",
+    "encode_f32_rne_kernel",
     "decode_kernel",
 ]
 
@@ -394,8 +399,81 @@ def encode_fast_kernel(xbits, out, p, emax_in, bias_in, mbits, emin, max_code, m
                                 inf_res, nan_code, fz, ODD, np.uint32(0), k)
 
 
+@intrinsic
+def _rne_code_u32(typingctx, u, sh, half_m1, adj, mn, c, cb, mx, ov, nc, knan, sb):
+    """The code of float32 bits ``u`` under RNE, in 32-bit integer and float32 operations only
+    (numba would widen uint32 arithmetic to 64 bits and halve the vector lanes); see
+    :func:`encode_f32_rne_kernel` for the method and the arguments."""
+    sig = types.uint32(types.uint32, types.uint32, types.uint32, types.uint32, types.uint32, types.float32,
+                       types.uint32, types.uint32, types.uint32, types.uint32, types.uint32, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        u_, sh_, half_, adj_, mn_, c_, cb_, mx_, ov_, nc_, knan_, sb_ = args
+        i32 = ir.IntType(32)
+
+        def k(v):
+            return ir.Constant(i32, v)
+
+        s = builder.lshr(u_, k(31))
+        a = builder.and_(u_, k(0x7FFFFFFF))
+        lsb = builder.and_(builder.lshr(a, sh_), k(1))
+        r = builder.add(builder.add(a, half_), lsb)
+        normal = builder.sub(builder.lshr(r, sh_), adj_)
+        total = builder.fadd(builder.bitcast(a, ir.FloatType()), c_)  # IEEE RNE, no fast-math flags
+        sub = builder.sub(builder.bitcast(total, i32), cb_)
+        code = builder.select(builder.icmp_unsigned(">=", a, mn_), normal, sub)
+        code = builder.select(builder.icmp_unsigned(">", code, mx_), ov_, code)
+        is_nan = builder.icmp_unsigned(">", a, k(0x7F800000))
+        code = builder.select(is_nan, nc_, code)
+        signless = builder.or_(is_nan, builder.icmp_unsigned("==", code, k(0)))
+        keep = builder.select(signless, knan_, k(1))
+        return builder.or_(code, builder.shl(builder.and_(s, keep), sb_))
+
+    return sig, codegen
+
+
+@jit_kernel
+def encode_f32_rne_kernel(xbits, out, shift, adj, minnorm_bits, c_bits, max_code, over_code, nan_code, fnuz,
+                          mag_bits):
+    """Round to nearest even from float32 bit patterns in 32-bit lanes; the same codes as
+    :func:`encode_fast_kernel` in ``RNE`` mode for the formats it takes (all with mantissa
+    bits ``m <= 22`` and ``emin >= -126``).
+
+    With ``a`` the magnitude bits of the input and ``shift = 23 - m``:
+
+    * target normal range (``a >= minnorm_bits``, the bits of ``2**emin``): RNE on the bit
+      pattern, ``r = a + 2**(shift-1) - 1 + ((a >> shift) & 1)``; the code is
+      ``(r >> shift) - adj`` with ``adj = (emin + 127 - 1) << m`` (the float32 and target
+      exponent biases differ). A carry out of the mantissa moves into the exponent, as it should;
+    * target subnormal range: the quantum is fixed, ``2**(emin - m)``; ``C = 2**(emin - m + 23)``
+      (bits ``c_bits``) is a float32 whose binade has exactly that ulp, so the float32 sum
+      ``|x| + C`` rounds ``|x|`` to the quantum by the hardware's RNE, and ``bits(|x| + C) -
+      bits(C)`` is the code (``2**m``, the smallest normal's code, when it rounds up);
+    * a code above ``max_code`` (an inf input too) becomes ``over_code`` (``max_code`` when
+      saturating, else inf or NaN); NaN inputs ``nan_code``; the sign goes to bit ``mag_bits``,
+      except where ``fnuz`` (no -0: zeros and NaN carry no sign).
+
+    Every operation is a 32-bit integer or float32 one (:func:`_rne_code_u32`), so AVX-512 runs
+    16 lanes.
+    """
+    c = bits_f32(np.uint32(c_bits))
+    cb = np.uint32(c_bits)
+    sh = np.uint32(shift)
+    half_m1 = np.uint32((1 << (shift - 1)) - 1)
+    adj32 = np.uint32(adj)
+    mn = np.uint32(minnorm_bits)
+    mx = np.uint32(max_code)
+    ov = np.uint32(over_code)
+    nc = np.uint32(nan_code)
+    knan = np.uint32(0) if fnuz else np.uint32(1)
+    sb = np.uint32(mag_bits)
+    for i in numba.prange(xbits.size):
+        out[i] = _rne_code_u32(xbits[i], sh, half_m1, adj32, mn, c, cb, mx, ov, nc, knan, sb)
+
+
 # serial twins for small arrays (see fp8sim._jit.PARALLEL_MIN_ELEMENTS)
 encode_fast_kernel_serial = serial_twin(encode_fast_kernel)
+encode_f32_rne_kernel_serial = serial_twin(encode_f32_rne_kernel)
 encode_f32_kernel_serial = serial_twin(encode_f32_kernel)
 encode_f64_kernel_serial = serial_twin(encode_f64_kernel)
 decode_kernel_serial = serial_twin(decode_kernel)

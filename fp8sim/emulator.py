@@ -238,6 +238,15 @@ def _encode_numpy(
     status = np.zeros(flat.size if fmt.nan == "none" else 0, dtype=np.uint8)
     params = format_params(fmt)
     big = flat.size >= PARALLEL_MIN_ELEMENTS
+    if allow_fast and _fast_path_ok(fmt, flat.dtype) and flat.dtype == np.float32 and mode == ROUNDING_IDS["rne"] \
+            and fmt.mantissa_bits <= 22:
+        # round to nearest even from float32: the 32-bit-lane kernel
+        m, emin_b = fmt.mantissa_bits, fmt.emin + 127
+        over = fmt.max_code if saturate else (fmt.inf_code if fmt.has_inf else fmt.nan_code)
+        kernel = core.encode_f32_rne_kernel if big else core.encode_f32_rne_kernel_serial
+        kernel(flat.view(np.uint32), out, 23 - m, (emin_b - 1) << m, emin_b << 23, (emin_b - m + 23) << 23,
+               fmt.max_code, over, fmt.nan_code, fmt.nan == "fnuz", fmt.magnitude_bits)
+        return out.reshape(shape)
     if allow_fast and _fast_path_ok(fmt, flat.dtype):
         over = fmt.inf_code if fmt.has_inf else fmt.nan_code
         if flat.dtype == np.float32:

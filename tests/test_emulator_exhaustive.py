@@ -175,6 +175,21 @@ def test_torch_and_ml_dtypes_overflow_rules_differ_as_documented():
     assert fp8sim.encode(x, "e4m3", saturate=False)[0] == 0x7F
 
 
+def test_float32_rne_lane_kernel_equals_the_general_kernel(sweep32):
+    """float32 round-to-nearest-even runs a 32-bit-lane kernel of its own: on the 17.5 M-input
+    float32 sweep it gives the general kernel's codes for every format it serves, both overflow
+    rules (the 16-bit exhaustive test above holds it to the reference too)."""
+    served = [n for n in ALL_FORMATS if emulator._fast_path_ok(fp8sim.get_format(n), np.dtype(np.float32))]
+    assert {"e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "fp16", "bf16"} <= set(served)
+    for name in served:
+        fmt = fp8sim.get_format(name)
+        for sat in (True, False):
+            fast = emulator._encode_numpy(sweep32, fmt, "rne", sat, None, None, None)
+            general = emulator._encode_numpy(sweep32, fmt, "rne", sat, None, None, None, allow_fast=False)
+            bad = np.flatnonzero(fast != general)
+            assert bad.size == 0, f"{name} sat={sat}: {bad.size} differ, first {sweep32[bad[0]]!r}"
+
+
 @pytest.mark.parametrize("name", ["e4m3", "e5m2", "e2m1", "e8m0"])
 def test_parallel_kernels_equal_their_serial_twins(name):
     """Small arrays run serial twins; large ones the parallel kernels: same source, same codes."""
