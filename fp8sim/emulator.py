@@ -225,16 +225,19 @@ def _encode_numpy(
     srbits: int | None,
     seed: int | None,
     allow_fast: bool = True,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Encode a float32/float64 array. ``allow_fast=False`` forces the general kernels (the
-    tests run both kernels on the same inputs)."""
+    tests run both kernels on the same inputs). ``out``: a checked destination (see
+    :func:`_check_out`), written in place and returned."""
     if not isinstance(saturate, (bool, np.bool_)):
         raise TypeError(f"saturate must be True or False, got {saturate!r}")
     mode = _check_rounding(rounding)
     shape = arr.shape
     flat = np.ascontiguousarray(arr).reshape(-1)
     rb, use_rbits, k0, k1, k = _stochastic_inputs(flat.size, shape, rounding, rbits, srbits, seed)
-    out = np.empty(flat.size, dtype=fmt.code_dtype)
+    dest = out
+    out = np.empty(flat.size, dtype=fmt.code_dtype) if dest is None else dest.reshape(-1)
     status = np.zeros(flat.size if fmt.nan == "none" else 0, dtype=np.uint8)
     params = format_params(fmt)
     big = flat.size >= PARALLEL_MIN_ELEMENTS
@@ -275,6 +278,32 @@ def _encode_numpy(
     return out.reshape(shape)
 
 
+def _check_out(out: Any, arr: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """``out`` as a numpy array the encoder may write: a numpy array or CPU torch tensor of the
+    code dtype (uint8 / uint16), ``arr``'s shape, C-contiguous, writable, not sharing memory
+    with the input. Anything else is refused (TypeError / ValueError), never silently copied."""
+    if hasattr(out, "device") and hasattr(out, "numpy"):  # a torch tensor
+        import torch
+
+        if out.device.type != "cpu":
+            raise ValueError(f"encode: out must be a CPU tensor, got one on {out.device}")
+        t = out.detach()
+        if t.dtype.is_floating_point and t.element_size() == 1:  # torch.float8_*: codes are its bits
+            t = t.view(torch.uint8)
+        out = t.numpy()
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"encode: out must be a numpy array or CPU torch tensor, got {type(out).__name__}")
+    if out.dtype != fmt.code_dtype:
+        raise TypeError(f"encode: out must have dtype {np.dtype(fmt.code_dtype).name} for {fmt.name}, got {out.dtype}")
+    if out.shape != arr.shape:
+        raise ValueError(f"encode: out has shape {out.shape}, the input {arr.shape}")
+    if not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("encode: out must be C-contiguous and writable")
+    if np.shares_memory(out, arr):
+        raise ValueError("encode: out shares memory with the input")
+    return out
+
+
 def encode(
     x: Any,
     fmt: FloatFormat | str,
@@ -284,14 +313,21 @@ def encode(
     rbits: Any = None,
     srbits: int | None = None,
     seed: int | None = None,
+    out: Any = None,
 ) -> Any:
     """Codes of ``x`` in ``fmt`` (uint8, or uint16 for formats wider than 8 bits).
 
     See the module docstring for the rounding, overflow, zero and NaN rules. Returns a numpy
     array of ``x``'s shape, or a torch tensor (torch.uint8 / torch.uint16) for a torch input.
+    ``out``: write the codes into this array or CPU tensor instead (code dtype, ``x``'s shape,
+    C-contiguous; saves the allocation when encoding repeatedly) and return it.
     """
     fmt = get_format(fmt)
     arr, from_torch = as_float_array(x)
+    if out is not None:
+        target = out
+        _encode_numpy(arr, fmt, rounding, saturate, rbits, srbits, seed, out=_check_out(out, arr, fmt))
+        return target
     codes = _encode_numpy(arr, fmt, rounding, saturate, rbits, srbits, seed)
     if from_torch:
         import torch

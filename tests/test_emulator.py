@@ -330,3 +330,42 @@ def test_generic_formats_wider_than_float32_are_refused():
         t64 = fp8sim.decode(np.arange(fmt.num_codes).astype(fmt.code_dtype), fmt, dtype=np.float64)
         fin = np.isfinite(t64)
         assert np.array_equal(t32[fin].astype(np.float64), t64[fin])
+
+
+@pytest.mark.parametrize("mode", ["rne", "rtz", "stochastic"])
+def test_encode_into_out_equals_allocating_encode(mode):
+    """``out=`` writes the same codes in place (numpy, torch uint8 and torch float8 views), for
+    the parallel kernels too, and returns the very object it was given."""
+    kw = {"seed": 3} if mode == "stochastic" else {}
+    for shape in [(3, 7), (1 << 18,)]:  # serial twin and parallel kernel
+        x = (np.random.default_rng(1).standard_normal(shape) * 300).astype(np.float32)
+        want = fp8sim.encode(x, "e4m3", rounding=mode, **kw)
+        out = np.full(shape, 0xAB, np.uint8)
+        assert fp8sim.encode(x, "e4m3", rounding=mode, out=out, **kw) is out
+        np.testing.assert_array_equal(out, want)
+        t = torch.from_numpy(x)
+        f8 = torch.empty(shape, dtype=torch.float8_e4m3fn)
+        assert fp8sim.encode(t, "e4m3", rounding=mode, out=f8, **kw) is f8
+        assert np.array_equal(f8.view(torch.uint8).numpy(), want)
+    x16 = np.linspace(-1e5, 1e5, 33, dtype=np.float64)
+    o16 = np.empty(33, np.uint16)
+    np.testing.assert_array_equal(fp8sim.encode(x16, "bf16", out=o16), fp8sim.encode(x16, "bf16"))
+
+
+def test_encode_out_is_checked():
+    x = np.ones((4, 5), np.float32)
+    with pytest.raises(TypeError, match="dtype uint8"):
+        fp8sim.encode(x, "e4m3", out=np.empty((4, 5), np.uint16))
+    with pytest.raises(ValueError, match="shape"):
+        fp8sim.encode(x, "e4m3", out=np.empty((5, 4), np.uint8))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        fp8sim.encode(x, "e4m3", out=np.empty((4, 10), np.uint8)[:, ::2])
+    ro = np.empty((4, 5), np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        fp8sim.encode(x, "e4m3", out=ro)
+    raw = np.zeros(20, np.float32)
+    with pytest.raises(ValueError, match="shares memory"):
+        fp8sim.encode(raw[:5], "e4m3", out=raw.view(np.uint8)[:5])
+    with pytest.raises(TypeError, match="numpy array or CPU torch tensor"):
+        fp8sim.encode(x, "e4m3", out=[0] * 20)
