@@ -8,6 +8,9 @@ machine hits all of them), and the median step time of each is compared with fp3
 A step is what ``fp8sim train`` runs: forward, backward, gradient clipping, AdamW, including the
 FP8 casts, amax bookkeeping and overflow/underflow counting.
 
+A configuration is ``recipe/backend`` or ``recipe/backend/accumulate``: the FP8 GEMMs' arithmetic
+(``float32``, the training default, or ``float64``; see ``fp8sim.training.fp8_linear``).
+
     .venv/bin/python benchmarks/bench_training.py [--n-embd 256 --n-layer 4 --block-size 128 --batch-size 16]
 """
 
@@ -27,8 +30,8 @@ from fp8sim.training.data import load_corpus
 from fp8sim.training.model import GPTConfig
 from fp8sim.training.trainer import TrainConfig, Trainer
 
-CONFIGS = [("fp32", "emulator"), ("bf16", "emulator"), ("te-delayed", "torch"), ("te-delayed", "emulator"),
-           ("te-current", "torch"), ("mx", "emulator")]
+CONFIGS = ["fp32/emulator", "bf16/emulator", "te-delayed/torch", "te-delayed/emulator", "te-delayed/torch/float64",
+           "te-current/torch", "mx/emulator"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,36 +43,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=9)
-    p.add_argument("--configs", default=",".join(f"{r}/{b}" for r, b in CONFIGS),
-                   help="comma-separated recipe/backend pairs")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma-separated recipe/backend[/accumulate] (float32 or float64)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
     model = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     corpus = load_corpus(max_bytes=4 * 2**20)
-    configs = [tuple(c.split("/")) for c in args.configs.split(",")]
+    configs = [c.strip() for c in args.configs.split(",")]
     trainers = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for recipe, backend in configs:
+        for i, name in enumerate(configs):
+            recipe, backend, *acc = name.split("/")
             cfg = TrainConfig(recipe=recipe, backend=backend, steps=args.warmup + args.steps + 1,
                               batch_size=args.batch_size, model=model, checkpoint_every=0, eval_every=0)
-            t = Trainer(cfg, os.path.join(tmp, f"{recipe}-{backend}"), corpus=corpus)
+            t = Trainer(cfg, os.path.join(tmp, f"run{i}"), corpus=corpus)
+            if acc:
+                if t.fp8 is None:
+                    p.error(f"{name}: {recipe} has no FP8 GEMMs to set the accumulation of")
+                t.fp8.gemm_accumulate = acc[0]
             for s in range(1, args.warmup + 1):
                 t.train_step(s)
-            trainers[(recipe, backend)] = t
+            trainers[name] = t
         times: dict = {k: [] for k in trainers}
         for i in range(args.steps):
             for k, t in trainers.items():
                 times[k].append(t.train_step(args.warmup + 1 + i)["step_time_s"])
     med = {k: statistics.median(v) for k, v in times.items()}
-    base = med.get(("fp32", "emulator"))
+    base = next((v for k, v in med.items() if k.split("/")[0] == "fp32"), None)
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}",
         "model": model.to_dict(),
         "batch": [args.batch_size, args.block_size],
         "steps_timed": args.steps,
-        "median_step_ms": {f"{r}/{b}": 1e3 * v for (r, b), v in med.items()},
-        "ratio_to_fp32": {f"{r}/{b}": (v / base if base else None) for (r, b), v in med.items()},
+        "median_step_ms": {k: 1e3 * v for k, v in med.items()},
+        "ratio_to_fp32": {k: (v / base if base else None) for k, v in med.items()},
     }
     if args.json:
         print(json.dumps(result, indent=2))

@@ -185,6 +185,11 @@ def test_amax(be):
     assert torch.isnan(be.amax(y))
     assert float(be.amax(torch.zeros(0))) == 0.0
     assert float(be.amax(-torch.zeros(3, 3))) == 0.0
+    for i in (0, 1000, x.numel() - 1):  # one NaN anywhere (vector body or tail) poisons amax
+        z = x.clone().reshape(-1)
+        z[i] = float("nan")
+        assert torch.isnan(be.amax(z))
+    assert float(be.amax(-torch.full((70,), 3.0, dtype=torch.bfloat16))) == 3.0
 
 
 # -- dequantize -------------------------------------------------------------------------------
@@ -203,6 +208,21 @@ def test_dequantize_every_code(be, fmt, out_dtype):
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan)
     assert torch.equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e4m3fnuz", "e3m4"])
+def test_decode_every_code_in_memory_order(be, fmt):
+    """``decode``: exact float32 values (-0.0 included; NaN where the table has NaN); a
+    transposed view of contiguous codes comes back as the transposed view of the values."""
+    f = fp8sim.get_format(fmt)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)
+    want = torch.from_numpy(decode_table(f, np.float32)[codes.numpy().astype(np.int64)])
+    for c, w in ((codes, want), (codes.t(), want.t())):
+        got = be.decode(c, fmt)
+        assert got.dtype == torch.float32 and got.stride() == c.stride()
+        nan = torch.isnan(w)
+        assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], w[~nan])
+        assert torch.equal(torch.signbit(got[~nan]), torch.signbit(w[~nan]))
 
 
 def test_dequantize_strided_and_rowwise(be):
@@ -296,6 +316,37 @@ def test_scaled_mm(be, mkn, fmts, scales):
     assert got.dtype == torch.float32 and got.shape == (m, n)
     err = np.abs(got.double().numpy() - ref)
     assert np.all(err <= bound + 2.0**-24 * np.abs(ref)), float((err - bound).max())
+
+
+@pytest.mark.parametrize("fmts", [("e4m3", "e4m3"), ("e5m2", "e4m3")])
+def test_scaled_mm_accumulate_modes(fmts):
+    """float64: exact products summed exactly (E4M3 x E4M3 sums fit 53 bits for K <= 2**17;
+    E5M2 codes kept within 2**-6..2**6 so they do too), scaled in float64, rounded once.
+    float32: ``torch.mm`` of the exactly decoded float32 operands (in the codes' memory order)
+    times ``float32(sa * sb)``. Both bit for bit, and the same in both backends."""
+    rng = np.random.default_rng(11)
+    m, k, n = 37, 200, 29
+    a = finite_codes(fmts[0], (m, k), rng)
+    if fmts[0] == "e5m2":
+        a = torch.where(((a & 0x7F) < 0x24) | ((a & 0x7F) > 0x54), a & 0x80 | 0x3C, a)
+    b = finite_codes(fmts[1], (n, k), rng).t()  # W^T: a transposed view
+    sa = torch.from_numpy(rng.uniform(0.1, 4, (m, 1)).astype(np.float32))
+    sb = torch.tensor(0.37)
+    av = decode_table(fmts[0], np.float64)[a.numpy().astype(np.int64)]
+    bv = decode_table(fmts[1], np.float64)[b.numpy().astype(np.int64)]
+    want64 = torch.from_numpy(((av @ bv) * sa.double().numpy() * float(sb)).astype(np.float32))
+    # torch.mm sees the codes' layout: a row-major, b the transpose of a row-major (n, k)
+    a32, b32 = torch.from_numpy(av.astype(np.float32)), torch.from_numpy(bv.T.astype(np.float32).copy()).t()
+    want32 = torch.mm(a32, b32) * (sa * sb)
+    assert not torch.equal(want32, want64)  # the two arithmetics do differ on this data
+    for name in ("emulator", "torch"):
+        be = backends.get(name)
+        assert be.gemm_accumulations == ("float64", "float32")
+        assert torch.equal(be.scaled_mm(a, fmts[0], sa, b, fmts[1], sb), want64)
+        assert torch.equal(be.scaled_mm(a, fmts[0], sa, b, fmts[1], sb, accumulate="float64"), want64)
+        assert torch.equal(be.scaled_mm(a, fmts[0], sa, b, fmts[1], sb, accumulate="float32"), want32)
+        with pytest.raises(ValueError, match="accumulate"):
+            be.scaled_mm(a, fmts[0], sa, b, fmts[1], sb, accumulate="float16")
 
 
 def test_scaled_mm_out_dtype_and_errors(be):

@@ -23,10 +23,10 @@ def _one_torch_thread():
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
 
-def _layer(recipe, backend="emulator", k=64, n=48, seed=0):
+def _layer(recipe, backend="emulator", k=64, n=48, seed=0, **kwargs):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(k, n))
-    convert_to_fp8(model, recipe, backend)
+    convert_to_fp8(model, recipe, backend, **kwargs)
     return model, model[0]
 
 
@@ -60,8 +60,10 @@ def test_convert_replaces_linears_explicitly():
         convert_to_fp8(nn.Sequential(nn.Linear(2, 2)), get_recipe("bf16"))
 
 
-def test_forward_backward_match_reference_current_scaling():
-    model, layer = _layer(get_recipe("te-current"), "emulator")
+@pytest.mark.parametrize("backend", ["emulator", "torch"])
+@pytest.mark.parametrize("accumulate", ["float64", "float32"])
+def test_forward_backward_match_reference_current_scaling(accumulate, backend):
+    model, layer = _layer(get_recipe("te-current"), backend, gemm_accumulate=accumulate)
     rng = np.random.default_rng(1)
     x_np = rng.standard_normal((37, 64)).astype(np.float32) * 3
     gy_np = rng.standard_normal((37, 48)).astype(np.float32) * 1e-3
@@ -75,22 +77,30 @@ def test_forward_backward_match_reference_current_scaling():
     wq, _ = _cast_ref(w_np, sw, E4M3)
     gq, _ = _cast_ref(gy_np, sg, E5M2)
     inv = lambda s: np.float64(np.float32(1) / s)  # noqa: E731  scale_inv rounded to float32
-    # the emulator backend sums exact products in float64 and rounds once
-    y_ref = ((xq @ wq.T) * inv(sx) * inv(sw)).astype(np.float32) + layer.bias.detach().numpy()
+    if accumulate == "float64":  # exact products summed in float64, scaled, rounded once
+        y_ref = ((xq @ wq.T) * inv(sx) * inv(sw)).astype(np.float32)
+        dx_ref = ((gq @ wq) * inv(sg) * inv(sw)).astype(np.float32)
+        dw_ref = ((gq.T @ xq) * inv(sg) * inv(sx)).astype(np.float32)
+    else:  # torch.mm of the float32 values in the codes' layouts, times float32(sA * sB)
+        X, W, G = (torch.from_numpy(q.astype(np.float32)) for q in (xq, wq, gq))
+        f = lambda a, b: torch.tensor(np.float32(inv(a)) * np.float32(inv(b)))  # noqa: E731
+        y_ref = (torch.mm(X, W.t()) * f(sx, sw)).numpy()
+        dx_ref = (torch.mm(G, W) * f(sg, sw)).numpy()
+        dw_ref = (torch.mm(G.t(), X) * f(sg, sx)).numpy()
+    y_ref = y_ref + layer.bias.detach().numpy()
     assert np.array_equal(y.detach().numpy(), y_ref)
-    dx_ref = ((gq @ wq) * inv(sg) * inv(sw)).astype(np.float32)
-    dw_ref = ((gq.T @ xq) * inv(sg) * inv(sx)).astype(np.float32)
     np.testing.assert_array_equal(x.grad.numpy(), dx_ref)
     np.testing.assert_array_equal(layer.weight.grad.numpy(), dw_ref)
     np.testing.assert_allclose(layer.bias.grad.numpy(), gy_np.astype(np.float64).sum(0), rtol=1e-5, atol=1e-9)
 
 
-def test_torch_backend_matches_emulator_codes_and_values():
+@pytest.mark.parametrize("accumulate", ["float32", "float64"])
+def test_torch_backend_matches_emulator_codes_and_values(accumulate):
     rng = np.random.default_rng(2)
     x_np = rng.standard_normal((40, 64)).astype(np.float32)
     outs = {}
     for backend in ("emulator", "torch"):
-        model, layer = _layer(get_recipe("te-current"), backend)
+        model, layer = _layer(get_recipe("te-current"), backend, gemm_accumulate=accumulate)
         seen = []
         get_fp8_state(model).taps.append(lambda name, role, x, cast, scale, op: seen.append((name, op.codes.clone(), float(op.scale_inv))))
         x = torch.from_numpy(x_np).requires_grad_()
@@ -101,8 +111,35 @@ def test_torch_backend_matches_emulator_codes_and_values():
     assert [s[0] for s in se] == ["0.input", "0.weight", "0.grad_output"] == [s[0] for s in st]
     for a, b in zip(se, st):
         assert torch.equal(a[1], b[1]) and a[2] == b[2]
-    torch.testing.assert_close(yt, ye, rtol=1e-6, atol=1e-6)  # float32 vs float64 accumulation
-    torch.testing.assert_close(gt, ge, rtol=1e-5, atol=1e-7)
+    # same codes, same GEMM arithmetic (one shared function for float32): the same bits
+    assert torch.equal(yt, ye) and torch.equal(gt, ge)
+
+
+def test_gemm_accumulate_choice():
+    from fp8sim.backends.emulator import EmulatorBackend
+
+    model, _ = _layer(get_recipe("te-delayed"), "torch")
+    st = get_fp8_state(model)
+    assert st.gemm_accumulate == "float32"  # the training default
+    st.gemm_accumulate = "float64"
+    assert st.gemm_accumulate == "float64"
+    with pytest.raises(ValueError, match="gemm_accumulate"):
+        st.gemm_accumulate = "float16"
+
+    class OwnGemm(EmulatorBackend):  # a backend whose scaled_mm takes no accumulate= (Triton)
+        gemm_accumulations = ()
+
+        def scaled_mm(self, *args, out_dtype=torch.float32):
+            calls.append(out_dtype)
+            return super().scaled_mm(*args, out_dtype=out_dtype, accumulate="float32")
+
+    calls = []
+    model, _ = _layer(get_recipe("te-delayed"), OwnGemm())
+    assert get_fp8_state(model).gemm_accumulate is None  # float32 asked: the backend's own
+    model(torch.randn(5, 64)).sum().backward()
+    assert calls == [torch.float32] * 3
+    with pytest.raises(NotImplementedError, match="float64"):
+        _layer(get_recipe("te-delayed"), OwnGemm(), gemm_accumulate="float64")
 
 
 def test_overflow_underflow_counts_match_ml_dtypes():

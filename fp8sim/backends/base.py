@@ -4,7 +4,19 @@ Every backend takes and returns torch tensors and gives the same answer bit for 
 emulator (``fp8sim.encode`` / ``fp8sim.decode``), or raises ``NotImplementedError`` naming the
 capability it lacks -- never a silently different answer. The only exception is ``scaled_mm``,
 whose float32 accumulation order is the implementation's own: it is exact up to the float32
-accumulation bound (see :meth:`Backend.scaled_mm`).
+accumulation bound (see :meth:`Backend.scaled_mm`). On the CPU the emulator and torch backends
+offer two GEMM arithmetics (``accumulate=``, :data:`GEMM_ACCUMULATIONS`), and each one is the
+same computation in both backends, so the two give bit-identical GEMM outputs on one machine:
+
+* ``"float64"`` (their default): the decoded operands multiplied in float64 (every product is
+  exact), summed in float64, times ``float64(a_scale_inv) * float64(b_scale_inv)``, rounded once
+  to ``out_dtype``. The sum is exact -- so independent of order -- while it fits float64's 53
+  bits, e.g. always for E4M3 x E4M3 with K <= 2**17, and otherwise rounds in float64.
+* ``"float32"``: :func:`mm_float32`, one shared function: ``torch.mm`` on the exactly decoded
+  float32 operands (products exact, sum in float32 in the order of torch's CPU GEMM: fixed on
+  one machine and thread count, not across them), then ``float32(acc * float32(sa * sb))``.
+  About 2.5x faster than float64 on a CPU; the training path (:mod:`fp8sim.training.fp8_linear`)
+  uses it by default.
 
 Semantics shared by all backends (units and rounding):
 
@@ -21,7 +33,9 @@ Semantics shared by all backends (units and rounding):
   the transposed copy is the same quantization, not a second rounding of ``x.T``.
 * ``block_quantize``: per-group just-in-time scales (1xN, NxN, MX), as
   ``fp8sim.scaling.quantize_scaled``.
-* ``scaled_mm``: ``(decode(a) @ decode(b)) * a_scale_inv * b_scale_inv`` accumulated in float32.
+* ``scaled_mm``: ``(decode(a) @ decode(b)) * a_scale_inv * b_scale_inv`` accumulated in float32
+  (or better: ``accumulate="float64"``, see above).
+* ``decode(codes, fmt)``: the exact float32 values of the codes, in the codes' memory order.
 * ``adam_step``: the fused FP8-LM Adam step, see :meth:`Backend.adam_step`.
 """
 
@@ -36,6 +50,7 @@ from fp8sim.emulator import ROUNDING_MODES
 from fp8sim.formats import FloatFormat, get_format
 
 __all__ = [
+    "GEMM_ACCUMULATIONS",
     "Backend",
     "AdamStepResult",
     "check_input",
@@ -46,8 +61,15 @@ __all__ = [
     "as_scale",
     "reciprocal",
     "adam_constants",
+    "amax_f32",
     "check_adam_args",
+    "check_accumulate",
+    "decode_in_order",
+    "mm_float32",
 ]
+
+#: the CPU GEMM arithmetics of the emulator and torch backends (``scaled_mm(accumulate=...)``)
+GEMM_ACCUMULATIONS = ("float64", "float32")
 
 
 class AdamStepResult(NamedTuple):
@@ -115,6 +137,15 @@ def as_scale(scale: Any, x_shape: tuple, device: torch.device, what: str = "scal
     return torch.tensor(float(scale), dtype=torch.float32, device=device)
 
 
+def amax_f32(x: torch.Tensor) -> torch.Tensor:
+    """``max |float32(x)|`` as a 0-d float32 tensor, in one pass (``aminmax``; rounding to
+    float32 is monotonic, so it commutes with the max); NaN if any NaN; 0 if empty."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    lo, hi = torch.aminmax(x.detach())
+    return torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
+
+
 def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     """``1 / scale`` in float32 (correctly rounded on CPU and CUDA)."""
     return torch.reciprocal(scale.to(torch.float32))
@@ -153,6 +184,43 @@ def check_mm(a: torch.Tensor, b: torch.Tensor, a_fmt: FloatFormat, b_fmt: FloatF
         raise ValueError(
             f"scaled_mm: need a (M, K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}"
         )
+
+
+def check_accumulate(accumulate: Any) -> str:
+    """``accumulate=`` of ``scaled_mm``: None (the default, float64) or a name in
+    :data:`GEMM_ACCUMULATIONS`."""
+    if accumulate is None:
+        return "float64"
+    if accumulate not in GEMM_ACCUMULATIONS:
+        raise ValueError(
+            f"scaled_mm: accumulate must be one of {', '.join(GEMM_ACCUMULATIONS)}, "
+            f"got {accumulate!r}"
+        )
+    return accumulate
+
+
+def decode_in_order(decode: Any, codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """``decode(contiguous codes, fmt)`` (float32) laid out as ``codes`` is: a transposed view
+    of contiguous codes decodes the storage and returns the transposed view of the values, so
+    no copy is made and the GEMM sees the same memory order whichever backend decoded."""
+    if codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous():
+        return decode(codes.t(), fmt).t()
+    return decode(codes.contiguous(), fmt)
+
+
+def mm_float32(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """The ``accumulate="float32"`` GEMM of the CPU backends, one function for both.
+
+    ``a`` (M, K) and ``b`` (K, N): exactly decoded float32 values (any strides; the emulator
+    and torch backends pass the same layouts, :func:`decode_in_order`); ``sa``/``sb``: float32
+    scale_inv, 0-d or (M, 1) / (1, N). ``acc = torch.mm(a, b)`` (exact products, float32 sum in
+    the CPU GEMM's order), then ``float32(acc * float32(sa * sb))`` -- cuBLAS's epilogue order
+    and :func:`fp8sim.gemm.scaled_gemm`'s -- then cast to ``out_dtype`` (RNE).
+    """
+    acc = torch.mm(a, b)
+    acc.mul_(sa * sb)  # (M, 1) * (1, N) broadcasts to (M, N); 0-d stays 0-d
+    return acc if out_dtype == torch.float32 else acc.to(out_dtype)
 
 
 def adam_constants(
@@ -236,6 +304,9 @@ class Backend:
     """
 
     name: str = "base"
+    #: the ``accumulate=`` values ``scaled_mm`` takes; empty: it takes no such keyword (the
+    #: backend's own float32 accumulation, e.g. the Triton kernel's)
+    gemm_accumulations: tuple[str, ...] = ()
 
     # -- casts -----------------------------------------------------------------------------
     def amax(self, x: torch.Tensor) -> torch.Tensor:
@@ -283,6 +354,12 @@ class Backend:
     ) -> torch.Tensor:
         """``float32(decode(codes)) * float32(scale_inv)``, cast to ``out_dtype`` (RNE)."""
         raise NotImplementedError(f"{self.name}: dequantize")
+
+    def decode(self, codes: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
+        """The exact float32 values of ``codes`` (no scale), on their device, in the codes'
+        memory order (:func:`decode_in_order`)."""
+        fmt = get_format(fmt)
+        return decode_in_order(lambda c, f: self.dequantize(c, f, 1.0, torch.float32), codes, fmt)
 
     def cast_transpose_with_amax(
         self,
@@ -350,9 +427,11 @@ class Backend:
         """``(decode(a) @ decode(b)) * a_scale_inv * b_scale_inv``, a (M, K), b (K, N).
 
         Products of decoded values are exact in float32; the sum over K is accumulated in
-        float32 (order up to the backend; the emulator sums in float64), the scales applied
-        after, then the result is cast to ``out_dtype``. ``a_scale_inv``: 0-d or per row (M, 1);
-        ``b_scale_inv``: 0-d or per column (1, N). Codes may be non-contiguous views.
+        float32 (order up to the backend) or better, the scales applied after, then the result
+        is cast to ``out_dtype``. ``a_scale_inv``: 0-d or per row (M, 1); ``b_scale_inv``: 0-d
+        or per column (1, N). Codes may be non-contiguous views. Backends listing
+        :attr:`gemm_accumulations` also take ``accumulate=`` (``"float64"`` by default,
+        ``"float32"``: :func:`mm_float32`), see the module docstring.
         """
         raise NotImplementedError(f"{self.name}: scaled_mm")
 

@@ -2,7 +2,10 @@
 
 Casts go through ``fp8sim.encode`` / ``fp8sim.decode`` on the CPU (tensors on another device are
 copied to the CPU and the results copied back); the GEMM sums exactly decoded operands in float64
-and rounds once; the Adam step runs its float32 recipe in numpy, one rounding per operation.
+and rounds once (``accumulate="float64"``, the default) or, with ``accumulate="float32"``, hands
+the exactly decoded float32 operands to :func:`fp8sim.backends.base.mm_float32`, the one float32
+GEMM the torch backend calls too (see :mod:`fp8sim.backends.base`); the Adam step runs its
+float32 recipe in numpy, one rounding per operation.
 """
 
 from __future__ import annotations
@@ -13,14 +16,19 @@ import numpy as np
 import torch
 
 from fp8sim.backends.base import (
+    GEMM_ACCUMULATIONS,
     AdamStepResult,
     Backend,
+    amax_f32,
     as_scale,
+    check_accumulate,
     check_codes,
     check_input,
     check_mm,
     check_rounding,
     check_scale_inv,
+    decode_in_order,
+    mm_float32,
     reciprocal,
 )
 from fp8sim.emulator import decode, encode
@@ -33,12 +41,10 @@ class EmulatorBackend(Backend):
     """Bit-exact reference backend (numba emulator, CPU)."""
 
     name = "emulator"
+    gemm_accumulations = GEMM_ACCUMULATIONS
 
     def amax(self, x: torch.Tensor) -> torch.Tensor:
-        x = check_input(x)
-        if x.numel() == 0:
-            return torch.zeros((), dtype=torch.float32, device=x.device)
-        return x.detach().to(torch.float32).abs().amax()
+        return amax_f32(check_input(x))
 
     def quantize_with_amax(
         self,
@@ -57,7 +63,7 @@ class EmulatorBackend(Backend):
         s = as_scale(scale, tuple(x.shape), x.device)
         y = x.detach().to(torch.float32) * s  # float32 product, rounded once
         codes = encode(y.cpu(), fmt, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits)
-        return codes.to(x.device), reciprocal(s), self.amax(x)
+        return codes.to(x.device), reciprocal(s), amax_f32(x)
 
     def dequantize(
         self,
@@ -71,6 +77,11 @@ class EmulatorBackend(Backend):
         s = as_scale(scale_inv, tuple(codes.shape), torch.device("cpu"), "scale_inv")
         values = decode(codes.detach().cpu(), fmt) * s
         return values.to(out_dtype).to(codes.device)
+
+    def decode(self, codes: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
+        fmt = get_format(fmt)
+        codes = check_codes(codes, fmt)
+        return decode_in_order(decode, codes.detach().cpu(), fmt).to(codes.device)
 
     def cast_transpose_with_amax(
         self,
@@ -129,13 +140,22 @@ class EmulatorBackend(Backend):
         b_scale_inv: Any,
         *,
         out_dtype: torch.dtype = torch.float32,
+        accumulate: str | None = None,
     ) -> torch.Tensor:
-        """The reference: exact products, float64 sum, scales in float64, one final rounding."""
+        """``"float64"`` (default), the reference: exact products, float64 sum, scales in
+        float64, one final rounding; ``"float32"``: :func:`~fp8sim.backends.base.mm_float32`
+        of the decoded operands (the torch backend's float32 GEMM, bit for bit)."""
         a_fmt, b_fmt = get_format(a_fmt), get_format(b_fmt)
         check_mm(a_codes, b_codes, a_fmt, b_fmt)
+        mode = check_accumulate(accumulate)
         m, n = a_codes.shape[0], b_codes.shape[1]
-        sa = check_scale_inv(a_scale_inv, m, n, "a_scale_inv", "row").cpu().double()
-        sb = check_scale_inv(b_scale_inv, m, n, "b_scale_inv", "col").cpu().double()
+        sa = check_scale_inv(a_scale_inv, m, n, "a_scale_inv", "row").cpu()
+        sb = check_scale_inv(b_scale_inv, m, n, "b_scale_inv", "col").cpu()
+        if mode == "float32":
+            a = decode_in_order(decode, a_codes.detach().cpu(), a_fmt)
+            b = decode_in_order(decode, b_codes.detach().cpu(), b_fmt)
+            return mm_float32(a, b, sa, sb, out_dtype).to(a_codes.device)
+        sa, sb = sa.double(), sb.double()
         a = decode(a_codes.detach().cpu(), a_fmt, dtype=np.float64)
         b = decode(b_codes.detach().cpu(), b_fmt, dtype=np.float64)
         out = (a @ b) * sa * sb

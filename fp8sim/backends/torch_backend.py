@@ -15,11 +15,17 @@ What torch can do exactly as the emulator does, and what it cannot (checked by
   input's sign (FNUZ: 0x80), as the emulator writes them.
 
 Block and MX scaling (``block_quantize``) is not implemented here: ``NotImplementedError``.
-Decoding uses the native dtype where torch has one, else an exact table gather (any format).
-``scaled_mm`` uses ``torch._scaled_mm`` on a CUDA GPU of compute capability 8.9 or newer for
-e4m3/e5m2 operands whose shapes it accepts; otherwise it decodes and multiplies -- on CPU in
-float64 with one final rounding (the emulator backend's arithmetic, so CPU runs of the two
-backends differ only where their casts do), on other GPUs in float32.
+Decoding is exact for every code: e4m3 and e5m2 through float16 bit patterns (an e5m2 code is
+the high byte of the float16 of the same value; an e4m3 code's exponent and mantissa bits
+shifted into a float16 give the value / 2**8 -- both several times faster on a CPU than torch's
+float8 -> float32 conversion), other formats through the native dtype or an exact table gather.
+
+``scaled_mm`` (see :mod:`fp8sim.backends.base` for ``accumulate=``): on the CPU, ``"float64"``
+(default) or ``"float32"``, the very arithmetic of the emulator backend in either mode, so CPU
+runs of the two backends differ only where their casts do (they do not, where both support a
+cast). On a CUDA GPU: ``torch._scaled_mm`` (compute capability 8.9 or newer, e4m3/e5m2 operands
+whose shapes it accepts), else a float32 matmul of the decoded operands -- for ``accumulate``
+None or ``"float32"``; ``"float64"`` multiplies in float64 on the GPU.
 """
 
 from __future__ import annotations
@@ -29,14 +35,19 @@ from typing import Any
 import torch
 
 from fp8sim.backends.base import (
+    GEMM_ACCUMULATIONS,
     AdamStepResult,
     Backend,
+    amax_f32,
     as_scale,
+    check_accumulate,
     check_codes,
     check_input,
     check_mm,
     check_rounding,
     check_scale_inv,
+    decode_in_order,
+    mm_float32,
     reciprocal,
 )
 from fp8sim.emulator import decode_table
@@ -74,11 +85,12 @@ def _code_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cast(y: torch.Tensor, fmt: FloatFormat, rounding: str, saturate: bool, seed: Any,
-          srbits: Any, may_have_nan: bool = True) -> torch.Tensor:
+          srbits: Any, may_have_nan: bool = True, in_range: bool = False) -> torch.Tensor:
     """Codes of the float32 tensor ``y``: the emulator's ``encode(y, fmt, ...)``.
 
     ``may_have_nan=False`` (the caller knows ``y`` has no NaN, e.g. from a finite amax) skips
-    the NaN-canonicalizing passes."""
+    the NaN-canonicalizing passes; ``in_range=True`` (the caller knows ``|y| <= fmt.max``)
+    skips the saturating clamp, which would change nothing."""
     check_rounding(rounding, seed)
     if rounding != "rne":
         raise NotImplementedError(
@@ -93,7 +105,7 @@ def _cast(y: torch.Tensor, fmt: FloatFormat, rounding: str, saturate: bool, seed
             f"torch backend: non-saturating {fmt.name} cast (torch's float8_e4m3fn cast "
             "saturates; overflow -> NaN needs the emulator or triton backend)"
         )
-    src = y.clamp(-fmt.max, fmt.max) if saturate else y  # NaN passes through clamp
+    src = y.clamp(-fmt.max, fmt.max) if saturate and not in_range else y  # NaN passes clamp
     codes = _code_view(src.to(dtype))
     if not may_have_nan:
         return codes.contiguous()
@@ -105,8 +117,26 @@ def _cast(y: torch.Tensor, fmt: FloatFormat, rounding: str, saturate: bool, seed
     return torch.where(torch.isnan(y), canonical, codes).contiguous()
 
 
+#: int16 mask keeping the sign (bit 15) and an e4m3 code's 7 exponent/mantissa bits (13..7)
+_E4M3_F16_MASK = -0x4080  # 0xBF80
+
+
 def _decode_f32(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """Exact float32 values of ``codes`` (native view where torch has the dtype)."""
+    """Exact float32 values of ``codes`` (float16 bit patterns for e4m3/e5m2, else the native
+    view where torch has the dtype, else a table gather)."""
+    if fmt.name == "e5m2":  # s eeeee mm is the high byte of the float16 s eeeee mm00000000
+        raw = codes.contiguous().view(torch.uint8).to(torch.int16) << 8
+        return raw.view(torch.float16).to(torch.float32)
+    if fmt.name == "e4m3":
+        # the int8 code sign-extended and shifted by 7: sign at bit 15 (bit 14, a copy of the
+        # sign, cleared), exponent and mantissa at bits 13..7: the float16 of value / 2**8,
+        # subnormals included (float16's exponent range holds them). A NaN code (S.1111.111)
+        # would read as +-480 / 2**8: adding 1 at bit 7 carries into bit 14 for it alone, and
+        # that bit completes float16's all-ones exponent (NaN, sign kept).
+        bits = torch.bitwise_left_shift(codes.contiguous().view(torch.int8).to(torch.int16), 7)
+        bits.bitwise_and_(_E4M3_F16_MASK)
+        bits.bitwise_or_(torch.add(bits, 0x80).bitwise_and_(0x4000))
+        return bits.view(torch.float16).to(torch.float32).mul_(256.0)
     if fmt.name in TORCH_DTYPES:
         dtype = TORCH_DTYPES[fmt.name]
         raw = codes.contiguous()
@@ -121,12 +151,10 @@ class TorchBackend(Backend):
     """torch native casts (CPU or CUDA); ``torch._scaled_mm`` where the GPU has it."""
 
     name = "torch"
+    gemm_accumulations = GEMM_ACCUMULATIONS
 
     def amax(self, x: torch.Tensor) -> torch.Tensor:
-        x = check_input(x)
-        if x.numel() == 0:
-            return torch.zeros((), dtype=torch.float32, device=x.device)
-        return x.detach().to(torch.float32).abs().amax()
+        return amax_f32(check_input(x))
 
     def quantize_with_amax(
         self,
@@ -142,12 +170,15 @@ class TorchBackend(Backend):
         x = check_input(x)
         fmt = get_format(fmt)
         s = as_scale(scale, tuple(x.shape), x.device)
+        amax = amax_f32(x)  # NaN-propagating
         y = x.detach().to(torch.float32) * s
-        amax = self.amax(x)  # NaN-propagating
-        # y is NaN-free when x is and the scale is finite and nonzero (else inf*0 = NaN)
-        clean_scale = bool(torch.isfinite(s).all()) and bool((s != 0).all())
-        codes = _cast(y, fmt, rounding, saturate, seed, srbits,
-                      may_have_nan=bool(torch.isnan(amax)) or not clean_scale)
+        # y is NaN-free when x is and the scale is finite and nonzero (else inf*0 = NaN); and
+        # |y| <= float32(amax * |s|) (rounding is monotonic), so a small enough bound means
+        # the saturating clamp has nothing to do
+        top = (amax * s).abs().amax()
+        clean = bool(torch.isfinite(top)) and bool((s != 0).all())
+        codes = _cast(y, fmt, rounding, saturate, seed, srbits, may_have_nan=not clean,
+                      in_range=clean and bool(top <= fmt.max))
         return codes, reciprocal(s), amax
 
     def dequantize(
@@ -161,6 +192,10 @@ class TorchBackend(Backend):
         codes = check_codes(codes, fmt)
         s = as_scale(scale_inv, tuple(codes.shape), codes.device, "scale_inv")
         return (_decode_f32(codes, fmt) * s).to(out_dtype)
+
+    def decode(self, codes: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
+        fmt = get_format(fmt)
+        return decode_in_order(_decode_f32, check_codes(codes, fmt), fmt)
 
     def cast_transpose_with_amax(
         self,
@@ -190,18 +225,25 @@ class TorchBackend(Backend):
         b_scale_inv: Any,
         *,
         out_dtype: torch.dtype = torch.float32,
+        accumulate: str | None = None,
     ) -> torch.Tensor:
         a_fmt, b_fmt = get_format(a_fmt), get_format(b_fmt)
         check_mm(a_codes, b_codes, a_fmt, b_fmt)
+        mode = check_accumulate(accumulate)  # None -> "float64" on the CPU
         m, n = a_codes.shape[0], b_codes.shape[1]
         dev = a_codes.device
         sa = check_scale_inv(a_scale_inv, m, n, "a_scale_inv", "row").to(dev)
         sb = check_scale_inv(b_scale_inv, m, n, "b_scale_inv", "col").to(dev)
-        if _scaled_mm_ok(a_codes, a_fmt, sa, b_codes, b_fmt, sb, out_dtype):
+        if dev.type == "cpu" and mode == "float32":  # the emulator backend's float32 GEMM
+            a = decode_in_order(_decode_f32, a_codes, a_fmt)
+            b = decode_in_order(_decode_f32, b_codes, b_fmt)
+            return mm_float32(a, b, sa, sb, out_dtype)
+        exact = dev.type == "cpu" or accumulate == "float64"
+        if not exact and _scaled_mm_ok(a_codes, a_fmt, sa, b_codes, b_fmt, sb, out_dtype):
             a8 = a_codes.contiguous().view(TORCH_DTYPES[a_fmt.name])
             b8 = b_codes.t().contiguous().view(TORCH_DTYPES[b_fmt.name]).t()  # column-major
             return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-        if a_codes.device.type == "cpu":
+        if exact:
             # as the emulator backend: exact products summed in float64, scaled, rounded once
             acc = _decode_f32(a_codes, a_fmt).double() @ _decode_f32(b_codes, b_fmt).double()
             return (acc * sa.double() * sb.double()).to(out_dtype)

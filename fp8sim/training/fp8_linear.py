@@ -11,8 +11,14 @@
 
 A cast is ``amax -> scale (the role's policy) -> codes = encode(float32(x) * scale)``, saturating,
 rounding per the recipe (round to nearest even by default); a GEMM multiplies decoded codes and
-applies ``scale_inv`` of both operands, accumulating in float32. Tensor scaling uses the backend's
-``quantize``/``scaled_mm``; MX block scaling (one E8M0 scale per 32 elements along the reduction
+applies ``scale_inv`` of both operands. Tensor scaling uses the backend's ``quantize``/``scaled_mm``
+with ``accumulate=`` :attr:`Fp8State.gemm_accumulate`: ``"float32"`` by default -- on the CPU the
+emulator and torch backends then run one and the same float32 GEMM
+(:func:`fp8sim.backends.base.mm_float32`: exact products, float32 sum in the order of torch's CPU
+matmul, ``float32(acc * float32(sA * sB))``), so their runs on one machine (same torch thread
+count) agree bit for bit where their casts do -- or ``"float64"``: exact products summed in float64, scaled in float64, rounded once (about
+2.5x slower; the order-independent reference). A backend without ``gemm_accumulations`` (Triton)
+runs its own float32 GEMM. MX block scaling (one E8M0 scale per 32 elements along the reduction
 axis) goes through :func:`fp8sim.scaling.quantize_scaled` and a float32 GEMM on the dequantized
 operands, re-casting each operand along the reduction axis of every GEMM that consumes it, as
 Transformer Engine's MXFP8 does (row-wise and column-wise copies).
@@ -27,7 +33,6 @@ and keeps their ``Parameter`` objects (optimizers and weight tying keep working)
 
 from __future__ import annotations
 
-import functools
 import zlib
 from collections import Counter
 from dataclasses import dataclass
@@ -81,9 +86,12 @@ class Fp8State:
         taps: recorder callbacks, called once per cast.
         observing: False in evaluation: casts use the current scales but update no policy,
             count nothing and call no tap.
+        gemm_accumulate: the ``accumulate=`` of every tensor-scaled GEMM (``"float32"`` or
+            ``"float64"``, see the module docstring), or None for a backend that takes none.
     """
 
-    def __init__(self, recipe: LinearRecipe, backend: str | Any, *, count_events: bool = True) -> None:
+    def __init__(self, recipe: LinearRecipe, backend: str | Any, *, count_events: bool = True,
+                 gemm_accumulate: str | None = "float32") -> None:
         from fp8sim import backends
         from fp8sim.policies import parse_policy
 
@@ -98,6 +106,31 @@ class Fp8State:
         self.events: Counter = Counter()
         self.taps: list[Tap] = []
         self.observing = True
+        self.gemm_accumulate = gemm_accumulate
+
+    @property
+    def gemm_accumulate(self) -> str | None:
+        return self._accumulate
+
+    @gemm_accumulate.setter
+    def gemm_accumulate(self, mode: str | None) -> None:
+        from fp8sim.backends.base import GEMM_ACCUMULATIONS
+
+        if mode is not None and mode not in GEMM_ACCUMULATIONS:
+            raise ValueError(f"Fp8State: gemm_accumulate must be one of "
+                             f"{', '.join(GEMM_ACCUMULATIONS)} or None, got {mode!r}")
+        modes = tuple(getattr(self.backend, "gemm_accumulations", ()))
+        if mode == "float32" and not modes:  # the default: the backend's own float32 GEMM
+            mode = None
+        if mode is not None and mode not in modes:
+            raise NotImplementedError(
+                f"Fp8State: backend {self.backend_name} has no accumulate={mode!r} GEMM "
+                f"(it offers {', '.join(modes) or 'only its own float32 GEMM'})"
+            )
+        self._accumulate = mode
+        self._mm_kwargs = {"out_dtype": torch.float32}
+        if mode is not None:
+            self._mm_kwargs["accumulate"] = mode
 
     # -- casts ------------------------------------------------------------------------------
     def cast(self, name: str, role: str, x: torch.Tensor, *, observe: bool = True) -> Fp8Operand:
@@ -154,7 +187,8 @@ class Fp8State:
         value whose code is zero."""
         fmt = op.fmt
         mag = op.codes & (fmt.sign_mask - 1) if fmt.signed else op.codes
-        self.events["underflow"] += int(torch.count_nonzero(mag == 0)) - int(torch.count_nonzero(x == 0))
+        # zero codes minus zero inputs (count_nonzero counts NaN, not -0.0), one pass each
+        self.events["underflow"] += int(torch.count_nonzero(x)) - int(torch.count_nonzero(mag))
         if scale is None:  # MX: the block scale keeps every block's amax within max
             return
         thr = cast_thresholds(fmt, "rne")
@@ -179,7 +213,7 @@ class Fp8State:
         """``A B^T`` in float32 for ``a`` (M, K) and ``b`` (N, K), both reduced along K."""
         if a.granularity == "tensor" and b.granularity == "tensor":
             return self.backend.scaled_mm(
-                a.codes, a.fmt, a.scale_inv, b.codes.t(), b.fmt, b.scale_inv, out_dtype=torch.float32
+                a.codes, a.fmt, a.scale_inv, b.codes.t(), b.fmt, b.scale_inv, **self._mm_kwargs
             )
         return _dequantize_blocks(a) @ _dequantize_blocks(b).t()
 
@@ -193,16 +227,11 @@ class Fp8State:
             self.policies[role].load_state_dict(sd)
 
 
-@functools.lru_cache(maxsize=None)
-def _decode_table(fmt: FloatFormat) -> torch.Tensor:
-    from fp8sim.emulator import decode_table
-
-    return torch.from_numpy(decode_table(fmt, np.float32).copy())
-
-
 def _dequantize_blocks(op: Fp8Operand) -> torch.Tensor:
     """``decode(codes) * scale_inv`` in float32 (exact decode; one rounding of the product)."""
-    values = _decode_table(op.fmt)[op.codes.long()]  # (R, C)
+    from fp8sim.emulator import decode
+
+    values = decode(op.codes, op.fmt)  # (R, C) float32, exact
     if op.granularity == "tensor":
         return values * op.scale_inv
     R, C = values.shape
@@ -210,6 +239,8 @@ def _dequantize_blocks(op: Fp8Operand) -> torch.Tensor:
     if sinv.shape[1] != -(-C // MX_BLOCK):
         raise ValueError(f"MX operand: {sinv.shape[1]} scales per row for {C} columns "
                          f"(expected ceil({C}/{MX_BLOCK}) = {-(-C // MX_BLOCK)})")
+    if C % MX_BLOCK == 0:  # whole blocks: broadcast each scale over its block, no copies
+        return (values.view(R, -1, MX_BLOCK) * sinv[:, :, None]).view(R, C)
     return values * torch.repeat_interleave(sinv, MX_BLOCK, dim=1)[:, :C]
 
 
@@ -287,13 +318,14 @@ class Fp8Linear(nn.Module):
 
 
 def convert_to_fp8(
-    model: nn.Module, recipe: Recipe | LinearRecipe, backend: str | Any = "emulator", *, count_events: bool = True
+    model: nn.Module, recipe: Recipe | LinearRecipe, backend: str | Any = "emulator", *, count_events: bool = True,
+    gemm_accumulate: str | None = "float32",
 ) -> nn.Module:
     """Replace the ``nn.Linear`` modules of ``model`` (in place) by :class:`Fp8Linear`.
 
     Modules whose qualified name ends with an entry of ``recipe.skip`` stay as they are. All
-    converted layers share one :class:`Fp8State`; returns ``model``. A recipe without FP8
-    GEMMs (``recipe.linear is None``) raises ValueError.
+    converted layers share one :class:`Fp8State` (``gemm_accumulate``: see there); returns
+    ``model``. A recipe without FP8 GEMMs (``recipe.linear is None``) raises ValueError.
     """
     linear_recipe = recipe.linear if isinstance(recipe, Recipe) else recipe
     if not isinstance(linear_recipe, LinearRecipe):
@@ -301,7 +333,7 @@ def convert_to_fp8(
         raise ValueError(f"convert_to_fp8: recipe {name!r} has no FP8 linear layers")
     if get_fp8_state(model) is not None:
         raise ValueError("convert_to_fp8: model is already converted")
-    state = Fp8State(linear_recipe, backend, count_events=count_events)
+    state = Fp8State(linear_recipe, backend, count_events=count_events, gemm_accumulate=gemm_accumulate)
     targets = [
         (name, mod)
         for name, mod in model.named_modules()
