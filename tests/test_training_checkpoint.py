@@ -95,3 +95,24 @@ def test_metrics_rows_and_summary(tmp_path, corpus):
     # float32 weights and grads: 4 bytes each; AdamW: two float32 moments (+ tiny step counters)
     assert mem["weights"] == 4.0 and mem["grads"] == 4.0
     assert 8.0 <= mem["optimizer"] < 8.01
+
+
+def test_gemm_accumulation_is_part_of_the_run_config(tmp_path, corpus):
+    """``gemm_accumulate`` reaches the FP8 linears; the emulator and torch backends agree bit for
+    bit in each mode, and a run cannot be resumed under the other mode. (On this tiny model the
+    float32 sums of E4M3 products are mostly exact, so the two modes' losses may coincide; the
+    modes' GEMMs themselves are told apart in tests/test_backends.py.)"""
+    losses = {}
+    for mode in ("float32", "float64"):
+        for backend in ("emulator", "torch"):
+            cfg = _cfg("te-delayed", steps=3, eval_every=0, checkpoint_every=3, backend=backend, gemm_accumulate=mode)
+            t = Trainer(cfg, tmp_path / f"{mode}-{backend}", corpus=corpus)
+            assert t.fp8.gemm_accumulate == mode
+            t.run(progress=False)
+            losses[mode, backend] = [r["loss"] for r in read_metrics(tmp_path / f"{mode}-{backend}")]
+        assert losses[mode, "emulator"] == losses[mode, "torch"]
+    other = _cfg("te-delayed", steps=3, eval_every=0, checkpoint_every=3, backend="torch", gemm_accumulate="float32")
+    with pytest.raises(ValueError, match="gemm_accumulate"):
+        Trainer(other, tmp_path / "float64-torch", corpus=corpus, resume=True)
+    with pytest.raises(ValueError, match="gemm_accumulate must be one of"):
+        _cfg("te-delayed", gemm_accumulate="float16")

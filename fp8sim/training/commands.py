@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--recipe", default=d.recipe, choices=list_recipes(), help="precision recipe (default %(default)s)")
     p.add_argument("--backend", default=d.backend, choices=BACKENDS, help="FP8 backend (default %(default)s)")
+    p.add_argument("--gemm-accumulate", default=d.gemm_accumulate, choices=("float32", "float64"),
+                   help="FP8 GEMM accumulation on the CPU backends: float32 (torch.mm of the exactly decoded "
+                        "operands, fast) or float64 (exact products, one final rounding) (default %(default)s)")
     p.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of init and batches (default %(default)s)")
     p.add_argument("--out", default=None, help="run directory (default runs/RECIPE-BACKEND-sSEED)")
@@ -82,7 +85,7 @@ def config_from_args(args: argparse.Namespace):
 
     model = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     return TrainConfig(
-        recipe=args.recipe, backend=args.backend, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        recipe=args.recipe, backend=args.backend, gemm_accumulate=args.gemm_accumulate, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         warmup=args.warmup, seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         data=args.data, model=model,
     )
@@ -117,17 +120,15 @@ def run_train(args: argparse.Namespace) -> int:
         if summary is not None:
             _print_summary(args, summary, out)
         return 0
-    factory = None
-    if args.record:
+    def recorder_for(model):
         from fp8sim.training.recorder import record
 
-        def factory(model):
-            return record(
-                model, args.record, save_every=args.save_every, chunk_steps=max(1, cfg.checkpoint_every),
-                config={"run": cfg.to_dict(), "run_dir": str(out)}, append=args.resume,
-            )
+        return record(
+            model, args.record, save_every=args.save_every, chunk_steps=max(1, cfg.checkpoint_every),
+            config={"run": cfg.to_dict(), "run_dir": str(out)}, append=args.resume,
+        )
 
-    trainer = Trainer(cfg, out, resume=args.resume, recorder_factory=factory)
+    trainer = Trainer(cfg, out, resume=args.resume, recorder_factory=recorder_for if args.record else None)
     print(f"fp8sim train: {cfg.recipe} on {cfg.backend}, {trainer.model.num_params():,} parameters, "
           f"corpus {trainer.corpus.source} ({trainer.corpus.num_bytes:,} bytes) -> {out}", file=sys.stderr)
     summary = trainer.run(progress=None if not args.json else False)

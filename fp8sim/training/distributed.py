@@ -241,7 +241,7 @@ class _RankRun:
         torch.manual_seed(cfg.seed)
         self.model = GPT(cfg.model)
         if r.is_fp8:
-            convert_to_fp8(self.model, r, cfg.backend)
+            convert_to_fp8(self.model, r, cfg.backend, gemm_accumulate=cfg.gemm_accumulate)
         self.fp8 = get_fp8_state(self.model)
         named = list(self.model.named_parameters())
         self.params = [p for _, p in named]

@@ -44,6 +44,9 @@ class TrainConfig:
 
     recipe: str = "bf16"
     backend: str = "emulator"  # FP8 backend; ignored by recipes without FP8 GEMMs
+    # FP8 GEMM accumulation: "float32" (torch.mm of the exactly decoded operands, shared by the
+    # emulator and torch backends) or "float64" (exact products, one rounding); see fp8_linear
+    gemm_accumulate: str = "float32"
     steps: int = 200
     batch_size: int = 16
     lr: float = 3e-3  # peak learning rate
@@ -63,6 +66,10 @@ class TrainConfig:
         get_recipe(self.recipe)  # validates the name
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        from fp8sim.backends.base import GEMM_ACCUMULATIONS
+
+        if self.gemm_accumulate not in GEMM_ACCUMULATIONS:
+            raise ValueError(f"gemm_accumulate must be one of {GEMM_ACCUMULATIONS}, got {self.gemm_accumulate!r}")
         for name in ("steps", "batch_size", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -177,7 +184,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = GPT(cfg.model)
         if self.recipe.is_fp8:
-            convert_to_fp8(self.model, self.recipe, cfg.backend)
+            convert_to_fp8(self.model, self.recipe, cfg.backend, gemm_accumulate=cfg.gemm_accumulate)
         self.fp8 = get_fp8_state(self.model)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, foreach=False
