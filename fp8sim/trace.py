@@ -365,6 +365,16 @@ class TraceWriter:
         _atomic_write(path, lambda f: f.write(data))
         return path
 
+    def truncate_after(self, step: int) -> None:
+        """Forget every stored record and saved tensor of a step after ``step`` (a resumed run
+        records those steps again); see :mod:`fp8sim.trace_truncate`."""
+        from fp8sim.trace_truncate import truncate_trace
+
+        self._check_open()
+        self._buf = [r for r in self._buf if r["step"] <= step]
+        self._buf_steps = [s for s in self._buf_steps if s <= step]
+        self._seq, self._last_flushed_step = truncate_trace(self.path, step)
+
     # -- output ----------------------------------------------------------------------------------
     def flush(self) -> None:
         """Write every buffered step (all are treated as complete) and trace.json."""

@@ -353,3 +353,40 @@ def test_corrupt_trace_json_and_chunk_columns_raise_valueerror(tmp_path):
             np.savez(f, **cols)
         with pytest.raises(ValueError, match="corrupt trace chunk"):
             list(TraceReader(tmp_path / "t").records())
+
+
+def _write_steps(tw: TraceWriter, steps, names=("a", "b")) -> None:
+    for s in steps:
+        for i, n in enumerate(names):
+            x = np.random.default_rng(100 * s + i).standard_normal(64).astype(np.float32) * (s + 1)
+            tw.record(s, n, x, scale=1.0)
+            if s % 2 == 0:
+                tw.save_tensor(s, n, x)
+
+
+def test_truncate_after_drops_later_steps_and_appends_again(tmp_path):
+    """A resumed run cuts the trace back to its checkpoint step and records the later steps
+    again: the result equals a trace written in one go (chunks cut through the middle too)."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    for d in (full, cut):
+        with TraceWriter(d, chunk_steps=3) as tw:
+            for n in ("a", "b"):
+                tw.add_tensor(n, "activation", "e4m3", (64,))
+            _write_steps(tw, range(1, 8) if d == full else range(1, 7))  # "cut" was killed after step 6
+    tw = TraceWriter(cut, mode="a")
+    tw.truncate_after(4)  # the checkpoint: step 4 (chunk 4..6 straddles it)
+    r = TraceReader(cut)
+    assert sorted(set(r.steps().tolist())) == [1, 2, 3, 4]
+    assert max(s for s, _ in r.saved_tensors()) == 4
+    with pytest.raises(ValueError, match="already flushed"):
+        tw.record(4, "a", np.ones(64, np.float32), scale=1.0)
+    _write_steps(tw, range(5, 8))
+    tw.close()
+    a, b = TraceReader(full), TraceReader(cut)
+    sa, sb = a.scalars(), b.scalars()
+    assert set(sa) == set(sb) and all(np.array_equal(sa[k], sb[k]) for k in sa)
+    assert a.saved_tensors() == b.saved_tensors()
+    for step in range(1, 8):
+        for n in ("a", "b"):
+            ha, hb = a.histogram(step, n), b.histogram(step, n)
+            assert np.array_equal(ha.bins, hb.bins) and np.array_equal(ha.counts, hb.counts)

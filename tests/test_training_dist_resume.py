@@ -47,17 +47,27 @@ def _assert_same(a, b, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
-def _stop_resume_and_compare(tmp_path, recipe: str, nproc: int) -> None:
+def _stop_resume_and_compare(tmp_path, recipe: str, nproc: int, record: bool = False) -> None:
     cfg = _cfg(recipe)
     full, cut = tmp_path / "full", tmp_path / "cut"
-    train_distributed(cfg, full, nproc=nproc, progress=False)
-    train_distributed(cfg, cut, nproc=nproc, progress=False, stop_after=3)  # as if killed after step 3
+    rec = ({"record": tmp_path / "trace-full", "save_every": 2}, {"record": tmp_path / "trace-cut", "save_every": 2})
+    rec = rec if record else ({}, {})
+    train_distributed(cfg, full, nproc=nproc, progress=False, **rec[0])
+    train_distributed(cfg, cut, nproc=nproc, progress=False, stop_after=3, **rec[1])  # as if killed after step 3
     # the last complete checkpoint is step 2 (every 2 steps); older ones are gone
     assert latest_checkpoint(cut) == {"step": 2, "world": nproc}
     assert [d.name for d in (cut / "checkpoint").glob("step*")] == ["step00000002"]
     assert [r["step"] for r in _rows(cut)] == [1, 2, 3] and not (cut / "run.json").exists()
-    train_distributed(cfg, cut, nproc=nproc, progress=False, resume=True)
+    train_distributed(cfg, cut, nproc=nproc, progress=False, resume=True, **rec[1])
     a, b = _rows(full), _rows(cut)
+    if record:  # the trace (flushed through step 3 when stopped) is cut back to 2 and re-recorded
+        from fp8sim.trace import TraceReader
+
+        for r in range(nproc):
+            ta, tb = (TraceReader(tmp_path / f"trace-{k}" / f"rank{r}") for k in ("full", "cut"))
+            sa, sb = ta.scalars(), tb.scalars()
+            assert sorted(set(sb["step"].tolist())) == list(range(1, 7))
+            assert all(np.array_equal(sa[k], sb[k]) for k in sa) and ta.saved_tensors() == tb.saved_tensors()
     assert [r["step"] for r in b] == list(range(1, 7))  # step 3 was run again, logged once
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in a] == [r[key] for r in b], key
@@ -83,7 +93,7 @@ def test_two_rank_o3_resumes_bit_exactly(tmp_path):
 
 def test_one_rank_o2_resumes_bit_exactly(tmp_path):
     # Fp8AdamW state keeps its dtypes through load_state_dict (float16 masters, uint8 moments)
-    _stop_resume_and_compare(tmp_path, "fp8lm-o2", 1)
+    _stop_resume_and_compare(tmp_path, "fp8lm-o2", 1, record=True)
     from fp8sim.training.distributed import _RankRun
 
     run = _RankRun(0, 1, _cfg("fp8lm-o2"), str(tmp_path / "cut"), {"progress": False, "resume": True})

@@ -80,6 +80,22 @@ def test_resumed_recording_equals_uninterrupted(tmp_path, corpus):
     assert [r["loss"] for r in read_metrics(tmp_path / "a")] == [r["loss"] for r in read_metrics(tmp_path / "b")]
 
 
+def test_resume_after_an_interruption_that_flushed_the_trace(tmp_path, corpus):
+    """Interrupted after step 5 with the trace flushed (Ctrl-C closes the recorder): the trace
+    holds steps 4-5 past the step-3 checkpoint; the resumed run cuts them and records them again,
+    ending with the uninterrupted run's trace (saved tensors included)."""
+    _train(tmp_path / "a", tmp_path / "ta", corpus)
+    t = _train(tmp_path / "b", tmp_path / "tb", corpus, stop_after=5)
+    t.recorder.close()
+    assert TraceReader(tmp_path / "tb").steps().max() == 5
+    _train(tmp_path / "b", tmp_path / "tb", corpus, resume=True)
+    ra, rb = TraceReader(tmp_path / "ta"), TraceReader(tmp_path / "tb")
+    a, b = ra.scalars(), rb.scalars()
+    for col in ("step", "tensor", "amax", "scale", "overflow", "underflow", "numel", "zero"):
+        np.testing.assert_array_equal(a[col], b[col])
+    assert ra.saved_tensors() == rb.saved_tensors()
+
+
 def test_record_hook_on_a_plain_user_loop(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))

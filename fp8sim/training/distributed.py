@@ -283,8 +283,10 @@ class _RankRun:
             self.recorder = record(self.model, Path(opts["record"]) / f"rank{rank}", save_every=opts["save_every"],
                                    chunk_steps=max(1, cfg.checkpoint_every), append=ck is not None,
                                    config={"run": cfg.to_dict(), "rank": rank, "world": world, "run_dir": out})
-            if ck is not None and ck.get("recorder"):
-                self.recorder.load_state_dict(ck["recorder"])
+            if ck is not None:
+                self.recorder.truncate_after(self.start_step)  # the steps after it are recorded again
+                if ck.get("recorder"):
+                    self.recorder.load_state_dict(ck["recorder"])
         if rank == 0 and ck is None:
             import json
 

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from fp8sim.formats import get_format
 from fp8sim.trace import TraceReader, TraceWriter
-from fp8sim.training.fp8_linear import Fp8Linear, Fp8Operand, fp8_linears, get_fp8_state
+from fp8sim.training.fp8_linear import Fp8Operand, fp8_linears, get_fp8_state
 from fp8sim.training.recipes import CastConfig, get_recipe
 
 __all__ = ["Recorder", "record"]
@@ -202,6 +202,10 @@ class Recorder:
 
     def flush(self) -> None:
         self.writer.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Drop what the trace holds of steps after ``step`` (resuming from that checkpoint)."""
+        self.writer.truncate_after(step)
 
     def close(self) -> None:
         """Remove every hook and tap, flush and close the trace."""

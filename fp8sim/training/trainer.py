@@ -198,8 +198,10 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         self.recorder = recorder_factory(self.model) if recorder_factory else None
-        if ck is not None and self.recorder is not None and ck.get("recorder"):
-            self.recorder.load_state_dict(ck["recorder"])
+        if ck is not None and self.recorder is not None:
+            self.recorder.truncate_after(self.start_step)  # the steps after it are recorded again
+            if ck.get("recorder"):
+                self.recorder.load_state_dict(ck["recorder"])
 
     # -- state ------------------------------------------------------------------------------
     def _resume(self) -> dict:

@@ -1,0 +1,62 @@
+"""Cut a trace back to a step: what a resumed run does before it records again.
+
+A run resumes from its last checkpoint, so the steps after it are run -- and recorded -- again.
+The trace may already hold some of them (a chunk flushed when the run was interrupted, full
+tensors saved): :func:`truncate_trace` removes every record and saved tensor of a later step, so
+the re-recorded steps replace them instead of colliding. A chunk that straddles the step is
+rewritten with its earlier rows (new file first, then the old one is removed: an interruption
+leaves either, never neither). Used by :meth:`fp8sim.trace.TraceWriter.truncate_after`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["truncate_trace"]
+
+
+def _keep_rows(cols: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
+    """The chunk's columns for the rows where ``keep`` is True (histograms re-packed)."""
+    off = cols["hist_offsets"]
+    rows = np.flatnonzero(keep)
+    out = {k: v[keep] for k, v in cols.items() if k not in ("hist_offsets", "hist_bins", "hist_counts")}
+    pieces = [slice(int(off[i]), int(off[i + 1])) for i in rows]
+    sizes = np.array([s.stop - s.start for s in pieces], dtype=np.int64)
+    out["hist_offsets"] = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    out["hist_bins"] = np.concatenate([cols["hist_bins"][s] for s in pieces] + [cols["hist_bins"][:0]])
+    out["hist_counts"] = np.concatenate([cols["hist_counts"][s] for s in pieces] + [cols["hist_counts"][:0]])
+    return out
+
+
+def truncate_trace(path: str | os.PathLike, step: int) -> tuple[int, int | None]:
+    """Remove every record and saved tensor of a step after ``step`` from the trace at ``path``.
+
+    Returns ``(next chunk sequence number, last step still stored or None)``.
+    """
+    from fp8sim.trace import _CHUNK_DIR, _TENSOR_DIR, _TENSOR_RE, _atomic_write, _list_chunks
+
+    path = Path(path)
+    step = int(step)
+    for seq, first, last, f in _list_chunks(path):
+        if first > step:
+            f.unlink()
+        elif last > step:
+            with np.load(f, allow_pickle=False) as z:
+                cols = {k: z[k] for k in z.files}
+            kept = _keep_rows(cols, cols["step"] <= step)
+            new_last = int(kept["step"].max()) if kept["step"].size else first
+            name = f"chunk-{seq:06d}-s{first:08d}-{new_last:08d}.npz"
+            _atomic_write(path / _CHUNK_DIR / name, lambda fh: np.savez_compressed(fh, **kept))
+            if name != f.name:
+                f.unlink()
+    tdir = path / _TENSOR_DIR
+    if tdir.is_dir():
+        for f in tdir.iterdir():
+            m = _TENSOR_RE.match(f.name)
+            if m and int(m.group(1)) > step:
+                f.unlink()
+    chunks = _list_chunks(path)
+    return (chunks[-1][0] + 1 if chunks else 0), max((c[2] for c in chunks), default=None)
