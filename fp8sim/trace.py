@@ -29,7 +29,11 @@ The histogram of |x| and why its counts are exact: see :mod:`fp8sim.abs_histogra
 Atomicity: every file is written to a temporary name in the same directory, fsync'ed and moved
 into place with ``os.replace``. A chunk contains whole steps only and a step never spans two
 chunks, so a reader never sees half a step; ``trace.json`` is updated before a chunk that needs a
-new catalogue entry. An interrupted writer loses only steps not yet flushed.
+new catalogue entry. An interrupted writer loses only steps not yet flushed; a resumed run cuts
+the trace back to its checkpoint step (:meth:`TraceWriter.truncate_after`).
+
+Modules: the format and the writer here; :class:`TraceReader` in :mod:`fp8sim.trace_reader`
+(also reachable as ``fp8sim.trace.TraceReader``); cutting back in :mod:`fp8sim.trace_truncate`.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -60,7 +64,6 @@ from fp8sim.formats import FloatFormat, get_format
 
 __all__ = [
     "TraceWriter",
-    "TraceReader",
     "TensorInfo",
     "TraceRecord",
     "AbsHistogram",
@@ -451,193 +454,10 @@ def _list_chunks(path: Path) -> list[tuple[int, int, int, Path]]:
     return sorted(out)
 
 
-# ------------------------------------------------------------------------------------------
-# reader
-# ------------------------------------------------------------------------------------------
-class TraceReader:
-    """Read a trace directory. Chunks are loaded lazily, one at a time.
+def __getattr__(name: str) -> Any:
+    # the reader lives in its own module, which imports the format's constants from here
+    if name == "TraceReader":
+        from fp8sim.trace_reader import TraceReader
 
-    Attributes: ``config`` (run config), ``tensors`` (list of :class:`TensorInfo`),
-    ``rounding``, ``hist_mantissa_bits``, ``meta`` (the whole trace.json).
-    Bad or unreadable files raise ValueError naming the file.
-    """
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Re-scan: pick up chunks written since the reader was opened."""
-        # chunks first, then trace.json: the writer updates trace.json before a chunk, so every
-        # chunk listed here is named by the catalogue read below
-        self._chunks = _list_chunks(self.path)
-        meta_path = self.path / _TRACE_JSON
-        try:
-            meta = json.loads(meta_path.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"{self.path}: not an fp8sim trace (no trace.json)") from None
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{meta_path}: unreadable trace.json ({exc})") from None
-        if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
-            raise ValueError(f"{meta_path}: not an fp8sim trace (schema != {SCHEMA!r})")
-        if meta.get("version") != VERSION:
-            raise ValueError(f"{meta_path}: trace version {meta.get('version')}, expected {VERSION}")
-        try:
-            config = meta.get("config", {})
-            rounding = meta.get("rounding", "rne")
-            hist_bits = meta["hist"]["mantissa_bits"]
-            if isinstance(hist_bits, bool) or not isinstance(hist_bits, int):
-                raise TypeError(f"hist.mantissa_bits {hist_bits!r} is not an int")
-            formats = [str(f) for f in meta.get("formats", [])]
-            tensors = [
-                TensorInfo(str(t["name"]), str(t["role"]), str(t["format"]),
-                           tuple(int(n) for n in t["shape"]), i)  # fmt: skip
-                for i, t in enumerate(meta.get("tensors", []))
-            ]
-        except Exception as exc:  # missing keys, wrong types: one line naming the file
-            raise ValueError(f"{meta_path}: corrupt trace.json: {type(exc).__name__}: {exc}") from None
-        self.meta = meta
-        self.config = config
-        self.rounding = rounding
-        self.hist_mantissa_bits = hist_bits
-        self.formats = formats
-        self.tensors = tensors
-        self._by_name = {t.name: t for t in self.tensors}
-        self._cache: tuple[Path, dict[str, np.ndarray]] | None = None
-
-    def tensor(self, name: str) -> TensorInfo:
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise ValueError(f"{self.path}: no tensor {name!r} in the trace") from None
-
-    @property
-    def chunk_files(self) -> list[Path]:
-        return [c[3] for c in self._chunks]
-
-    def _load_chunk(self, path: Path) -> dict[str, np.ndarray]:
-        if self._cache is not None and self._cache[0] == path:
-            return self._cache[1]
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                cols = {k: z[k] for k in z.files}
-        except Exception as exc:  # zipfile/OSError/ValueError: a corrupt chunk
-            raise ValueError(f"{path}: corrupt trace chunk ({type(exc).__name__}: {exc})") from None
-        need = set(SCALAR_COLUMNS) | {"hist_offsets", "hist_bins", "hist_counts"}
-        if not need <= set(cols):
-            raise ValueError(f"{path}: trace chunk lacks columns {sorted(need - set(cols))}")
-        n = cols["step"].size
-        if any(cols[c].shape != (n,) for c in SCALAR_COLUMNS) or cols["hist_offsets"].size != n + 1:
-            raise ValueError(f"{path}: trace chunk columns differ in length")
-        if any(cols[c].dtype.kind not in "iu" for c in ("tensor", "format", "hist_offsets")):
-            raise ValueError(f"{path}: trace chunk index columns are not integers")
-        if cols["tensor"].size and int(cols["tensor"].max()) >= len(self.tensors):
-            self.refresh()  # written after we read trace.json
-            if int(cols["tensor"].max()) >= len(self.tensors):
-                raise ValueError(f"{path}: chunk names a tensor missing from trace.json")
-        if cols["tensor"].size and int(cols["tensor"].min()) < 0:
-            raise ValueError(f"{path}: corrupt trace chunk: negative tensor index")
-        if cols["format"].size and (
-            int(cols["format"].min()) < 0 or int(cols["format"].max()) >= len(self.formats)
-        ):
-            raise ValueError(
-                f"{path}: corrupt trace chunk: format index outside 0..{len(self.formats) - 1}"
-            )
-        off = cols["hist_offsets"]
-        nb = cols["hist_bins"].size
-        if (
-            off.size == 0 or int(off[0]) < 0 or int(off[-1]) > nb
-            or cols["hist_counts"].size != nb or (np.diff(off) < 0).any()
-        ):  # fmt: skip
-            raise ValueError(f"{path}: corrupt trace chunk: histogram offsets out of order or range")
-        self._cache = (path, cols)
-        return cols
-
-    def steps(self) -> np.ndarray:
-        """Sorted distinct steps recorded."""
-        parts = [np.unique(self._load_chunk(p)["step"]) for p in self.chunk_files]
-        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
-
-    def scalars(self, name: str | None = None) -> dict[str, np.ndarray]:
-        """Per-record scalar columns (:data:`SCALAR_COLUMNS`) over all chunks, in record order;
-        only ``name``'s records if given. ``tensor`` is the catalogue index, ``format`` an
-        index into ``self.formats``."""
-        tid = self.tensor(name).index if name is not None else None
-        out: dict[str, list[np.ndarray]] = {c: [] for c in SCALAR_COLUMNS}
-        for p in self.chunk_files:
-            cols = self._load_chunk(p)
-            sel = slice(None) if tid is None else cols["tensor"] == tid
-            for c in SCALAR_COLUMNS:
-                out[c].append(cols[c][sel])
-        return {
-            c: (np.concatenate(v) if v else np.zeros(0, dt))
-            for (c, v), dt in zip(out.items(), _COLUMN_DTYPES)
-        }
-
-    def _record(self, cols: dict[str, np.ndarray], i: int) -> TraceRecord:
-        off = cols["hist_offsets"]
-        a, b = int(off[i]), int(off[i + 1])
-        zero, nan, inf = int(cols["zero"][i]), int(cols["nan"][i]), int(cols["inf"][i])
-        hist = AbsHistogram(
-            cols["hist_bins"][a:b], cols["hist_counts"][a:b], self.hist_mantissa_bits,
-            zero=zero, nan=nan, inf=inf,
-        )  # fmt: skip
-        return TraceRecord(
-            step=int(cols["step"][i]), name=self.tensors[int(cols["tensor"][i])].name,
-            format=self.formats[int(cols["format"][i])], numel=int(cols["numel"][i]),
-            zero=zero, nan=nan, inf=inf, amax=float(cols["amax"][i]),
-            scale=float(cols["scale"][i]), overflow=int(cols["overflow"][i]),
-            underflow=int(cols["underflow"][i]), hist=hist,
-        )  # fmt: skip
-
-    def records(self, name: str | None = None) -> Iterator[TraceRecord]:
-        """Every record with its histogram, in write order (steps ascending); chunk by chunk."""
-        tid = self.tensor(name).index if name is not None else None
-        for p in self.chunk_files:
-            cols = self._load_chunk(p)
-            idx = range(cols["step"].size) if tid is None else np.flatnonzero(cols["tensor"] == tid)
-            for i in idx:
-                yield self._record(cols, int(i))
-
-    def record(self, step: int, name: str) -> TraceRecord:
-        """The record of ``name`` at ``step``."""
-        tid = self.tensor(name).index
-        for _, first, last, p in self._chunks:
-            if first <= step <= last:
-                cols = self._load_chunk(p)
-                idx = np.flatnonzero((cols["step"] == step) & (cols["tensor"] == tid))
-                if idx.size:
-                    return self._record(cols, int(idx[0]))
-        raise ValueError(f"{self.path}: no record of {name!r} at step {step}")
-
-    def histogram(self, step: int, name: str) -> AbsHistogram:
-        """The |x| histogram of ``name`` at ``step``."""
-        return self.record(step, name).hist
-
-    def saved_tensors(self) -> list[tuple[int, str]]:
-        """(step, name) of every full tensor saved, sorted."""
-        d = self.path / _TENSOR_DIR
-        out = []
-        if d.is_dir():
-            for f in d.iterdir():
-                m = _TENSOR_RE.match(f.name)
-                if m and int(m.group(2)) < len(self.tensors):
-                    out.append((int(m.group(1)), self.tensors[int(m.group(2))].name))
-        return sorted(out)
-
-    def tensor_file(self, step: int, name: str) -> Path:
-        """Path of a saved tensor's safetensors file."""
-        p = self.path / _TENSOR_DIR / f"{int(step):08d}-{self.tensor(name).index:05d}.safetensors"
-        if not p.is_file():
-            raise ValueError(f"{self.path}: no saved tensor {name!r} at step {step}")
-        return p
-
-    def load_tensor(self, step: int, name: str) -> Any:
-        """A saved tensor as a CPU torch tensor (its recorded dtype)."""
-        from safetensors.torch import load_file
-
-        p = self.tensor_file(step, name)
-        try:
-            return load_file(str(p))[name]
-        except Exception as exc:
-            raise ValueError(f"{p}: unreadable saved tensor ({exc})") from None
+        return TraceReader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
