@@ -121,6 +121,14 @@ def _session(rank: int, world: int, tmp: str, init_file: str) -> None:
             res["zero"] = {"owned": sorted(n for (n, _), o in zip(run.zero.params, run.zero.owner) if o == rank),
                            "weights": {n: p.detach().clone() for n, p in run.model.named_parameters()},
                            "codes": dict(run.zero.codes), "loads": run.zero.loads()}
+    # 4b. the global gradient norm (for clipping) of O3, whose gradients live on their owners,
+    # against O2's, whose every rank holds all of them: step 1, both gradient scopes
+    res["norms"] = {}
+    for scope in ("all", "linear"):
+        for level in (2, 3):
+            run = _RankRun(rank, world, _tiny_cfg(f"fp8lm-o{level}", steps=1),
+                           os.path.join(tmp, f"norm-o{level}-{scope}"), {"progress": False, "fp8_grads": scope})
+            res["norms"][level, scope] = run.train_step(1)["grad_norm"]
     # 5. bf16 baseline over 2 ranks: its communication bytes
     _RankRun(rank, world, _tiny_cfg("bf16", steps=2), os.path.join(tmp, "bf16"), {"progress": False}).run()
     dist.barrier()
@@ -261,6 +269,14 @@ def test_o1_o2_o3_train_with_decreasing_loss(session):
     # whole-step communication: every gradient in FP8 (nothing in bf16) vs every gradient in bf16
     assert o2["comm_bytes_per_step"]["grads_other"] == 0 < bf16["comm_bytes_per_step"]["grads_other"]
     assert o2["comm_bytes_per_step"]["wgrad_bf16_equiv"] == bf16["comm_bytes_per_step"]["grads_other"]
+
+
+def test_o3_gradient_norm_from_owned_shards_equals_the_replicated_norm(session):
+    _, res = session
+    for r in range(WORLD):
+        for scope in ("all", "linear"):  # "linear": the bf16 gradients are on every rank, counted once
+            o2, o3 = res[r]["norms"][2, scope], res[r]["norms"][3, scope]
+            assert o3 == pytest.approx(o2, rel=1e-6), (scope, o2, o3)
 
 
 def test_zero_weights_identical_on_ranks_and_sharded_by_algorithm_1(session):

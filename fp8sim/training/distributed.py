@@ -243,7 +243,7 @@ class _RankRun:
         if r.is_fp8:
             convert_to_fp8(self.model, r, cfg.backend, gemm_accumulate=cfg.gemm_accumulate)
         self.fp8 = get_fp8_state(self.model)
-        named = list(self.model.named_parameters())
+        self.named = named = list(self.model.named_parameters())
         self.params = [p for _, p in named]
         fp8_comm = r.grad_comm == "fp8"
         # fp8_names: the FP8 linears' weights (E4M3-stored under O3, the accounting's "fp8_weights");
@@ -408,8 +408,11 @@ class _RankRun:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             self.optimizer.step()
         else:  # FP8-LM Adam: clipping goes into the gradients' scale_inv; the grads live in the stash
-            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None]))
-            if self.reducer.owners is not None:  # each rank holds its owned gradients (the rest read 0)
+            if self.reducer.owners is None:
+                grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None]))
+            else:  # ZeRO: each rank adds the squares of the gradients it owns (FP8 ones exist only there)
+                mine = [p.grad for n, p in self.named if p.grad is not None and self.reducer.owners[n] == self.rank]
+                grad_norm = float(torch.nn.utils.get_total_norm(mine)) if mine else 0.0
                 sq = torch.tensor([grad_norm * grad_norm], dtype=torch.float64)
                 dist.all_reduce(sq)
                 self.counter.add("scales", "all_reduce", 8)
