@@ -35,7 +35,6 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from fp8sim._bitcast import bits_f32
 from fp8sim._jit import jit_kernel, jit_scalar, serial_twin
 from fp8sim.philox import randint_scalar
 
@@ -400,15 +399,14 @@ def encode_fast_kernel(xbits, out, p, emax_in, bias_in, mbits, emin, max_code, m
 
 
 @intrinsic
-def _rne_code_u32(typingctx, u, sh, half_m1, adj, mn, c, cb, mx, ov, nc, knan, sb):
-    """The code of float32 bits ``u`` under RNE, in 32-bit integer and float32 operations only
-    (numba would widen uint32 arithmetic to 64 bits and halve the vector lanes); see
+def _rne_code_u32(typingctx, u, sh, half_m1, adj, mn, sub_base, mx, ov, nc, knan, sb):
+    """The code of float32 bits ``u`` under RNE, in 32-bit integer operations only (numba would
+    widen uint32 arithmetic to 64 bits and halve the vector lanes); see
     :func:`encode_f32_rne_kernel` for the method and the arguments."""
-    sig = types.uint32(types.uint32, types.uint32, types.uint32, types.uint32, types.uint32, types.float32,
-                       types.uint32, types.uint32, types.uint32, types.uint32, types.uint32, types.uint32)
+    sig = types.uint32(*([types.uint32] * 11))
 
     def codegen(context, builder, signature, args):
-        u_, sh_, half_, adj_, mn_, c_, cb_, mx_, ov_, nc_, knan_, sb_ = args
+        u_, sh_, half_, adj_, mn_, base_, mx_, ov_, nc_, knan_, sb_ = args
         i32 = ir.IntType(32)
 
         def k(v):
@@ -416,11 +414,25 @@ def _rne_code_u32(typingctx, u, sh, half_m1, adj, mn, c, cb, mx, ov, nc, knan, s
 
         s = builder.lshr(u_, k(31))
         a = builder.and_(u_, k(0x7FFFFFFF))
+        # target normal range: RNE on the bit pattern
         lsb = builder.and_(builder.lshr(a, sh_), k(1))
         r = builder.add(builder.add(a, half_), lsb)
         normal = builder.sub(builder.lshr(r, sh_), adj_)
-        total = builder.fadd(builder.bitcast(a, ir.FloatType()), c_)  # IEEE RNE, no fast-math flags
-        sub = builder.sub(builder.bitcast(total, i32), cb_)
+        # target subnormal range: the significand shifted right by st = sh + emin_b - max(E, 1)
+        e = builder.lshr(a, k(23))
+        e_is0 = builder.icmp_unsigned("==", e, k(0))
+        e_eff = builder.select(e_is0, k(1), e)
+        sig_ = builder.or_(builder.and_(a, k(0x7FFFFF)), builder.select(e_is0, k(0), k(0x800000)))
+        st = builder.sub(base_, e_eff)  # >= sh + 1 wherever this branch is taken
+        st = builder.select(builder.icmp_signed("<", st, k(1)), k(1), st)
+        st = builder.select(builder.icmp_signed(">", st, k(31)), k(31), st)  # sig < 2**24: 0 either way
+        kept = builder.lshr(sig_, st)
+        rem = builder.and_(sig_, builder.sub(builder.shl(k(1), st), k(1)))
+        half = builder.shl(k(1), builder.sub(st, k(1)))
+        up = builder.or_(builder.icmp_unsigned(">", rem, half),
+                         builder.and_(builder.icmp_unsigned("==", rem, half),
+                                      builder.icmp_unsigned("!=", builder.and_(kept, k(1)), k(0))))
+        sub = builder.add(kept, builder.zext(up, i32))
         code = builder.select(builder.icmp_unsigned(">=", a, mn_), normal, sub)
         code = builder.select(builder.icmp_unsigned(">", code, mx_), ov_, code)
         is_nan = builder.icmp_unsigned(">", a, k(0x7F800000))
@@ -433,7 +445,7 @@ def _rne_code_u32(typingctx, u, sh, half_m1, adj, mn, c, cb, mx, ov, nc, knan, s
 
 
 @jit_kernel
-def encode_f32_rne_kernel(xbits, out, shift, adj, minnorm_bits, c_bits, max_code, over_code, nan_code, fnuz,
+def encode_f32_rne_kernel(xbits, out, shift, adj, minnorm_bits, emin_b, max_code, over_code, nan_code, fnuz,
                           mag_bits):
     """Round to nearest even from float32 bit patterns in 32-bit lanes; the same codes as
     :func:`encode_fast_kernel` in ``RNE`` mode for the formats it takes (all with mantissa
@@ -445,30 +457,30 @@ def encode_f32_rne_kernel(xbits, out, shift, adj, minnorm_bits, c_bits, max_code
       pattern, ``r = a + 2**(shift-1) - 1 + ((a >> shift) & 1)``; the code is
       ``(r >> shift) - adj`` with ``adj = (emin + 127 - 1) << m`` (the float32 and target
       exponent biases differ). A carry out of the mantissa moves into the exponent, as it should;
-    * target subnormal range: the quantum is fixed, ``2**(emin - m)``; ``C = 2**(emin - m + 23)``
-      (bits ``c_bits``) is a float32 whose binade has exactly that ulp, so the float32 sum
-      ``|x| + C`` rounds ``|x|`` to the quantum by the hardware's RNE, and ``bits(|x| + C) -
-      bits(C)`` is the code (``2**m``, the smallest normal's code, when it rounds up);
+    * target subnormal range: the quantum is fixed, ``2**(emin - m)``; the significand (implicit
+      bit included) shifted right by ``shift + emin_b - max(E, 1)`` (``emin_b = emin + 127``,
+      ``E`` the input's biased exponent), rounded to nearest even on the discarded bits, is the
+      code (``2**m``, the smallest normal's code, when it rounds up). Integer arithmetic only: no
+      float operation, so the result does not depend on the CPU's denormals-are-zero /
+      flush-to-zero mode (``torch.set_flush_denormal``);
     * a code above ``max_code`` (an inf input too) becomes ``over_code`` (``max_code`` when
       saturating, else inf or NaN); NaN inputs ``nan_code``; the sign goes to bit ``mag_bits``,
       except where ``fnuz`` (no -0: zeros and NaN carry no sign).
 
-    Every operation is a 32-bit integer or float32 one (:func:`_rne_code_u32`), so AVX-512 runs
-    16 lanes.
+    Every operation is a 32-bit integer one (:func:`_rne_code_u32`), so AVX-512 runs 16 lanes.
     """
-    c = bits_f32(np.uint32(c_bits))
-    cb = np.uint32(c_bits)
     sh = np.uint32(shift)
     half_m1 = np.uint32((1 << (shift - 1)) - 1)
     adj32 = np.uint32(adj)
     mn = np.uint32(minnorm_bits)
+    base = np.uint32(shift + emin_b)
     mx = np.uint32(max_code)
     ov = np.uint32(over_code)
     nc = np.uint32(nan_code)
     knan = np.uint32(0) if fnuz else np.uint32(1)
     sb = np.uint32(mag_bits)
     for i in numba.prange(xbits.size):
-        out[i] = _rne_code_u32(xbits[i], sh, half_m1, adj32, mn, c, cb, mx, ov, nc, knan, sb)
+        out[i] = _rne_code_u32(xbits[i], sh, half_m1, adj32, mn, base, mx, ov, nc, knan, sb)
 
 
 # serial twins for small arrays (see fp8sim._jit.PARALLEL_MIN_ELEMENTS)

@@ -247,7 +247,7 @@ def _encode_numpy(
         m, emin_b = fmt.mantissa_bits, fmt.emin + 127
         over = fmt.max_code if saturate else (fmt.inf_code if fmt.has_inf else fmt.nan_code)
         kernel = core.encode_f32_rne_kernel if big else core.encode_f32_rne_kernel_serial
-        kernel(flat.view(np.uint32), out, 23 - m, (emin_b - 1) << m, emin_b << 23, (emin_b - m + 23) << 23,
+        kernel(flat.view(np.uint32), out, 23 - m, (emin_b - 1) << m, emin_b << 23, emin_b,
                fmt.max_code, over, fmt.nan_code, fmt.nan == "fnuz", fmt.magnitude_bits)
         return out.reshape(shape)
     if allow_fast and _fast_path_ok(fmt, flat.dtype):
@@ -288,8 +288,14 @@ def _check_out(out: Any, arr: np.ndarray, fmt: FloatFormat) -> np.ndarray:
         if out.device.type != "cpu":
             raise ValueError(f"encode: out must be a CPU tensor, got one on {out.device}")
         t = out.detach()
-        if t.dtype.is_floating_point and t.element_size() == 1:  # torch.float8_*: codes are its bits
-            t = t.view(torch.uint8)
+        if t.dtype.is_floating_point:  # a torch float8 tensor of this very format: codes are its bits
+            same = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2", "e4m3fnuz": "float8_e4m3fnuz",
+                    "e5m2fnuz": "float8_e5m2fnuz", "e8m0": "float8_e8m0fnu", "fp16": "float16",
+                    "bf16": "bfloat16"}.get(fmt.name)
+            if same is None or t.dtype != getattr(torch, same, None):
+                raise TypeError(f"encode: out of dtype {t.dtype} cannot hold {fmt.name} codes "
+                                f"(give {'torch.' + same if same else 'a uint8/uint16 array'})")
+            t = t.view(torch.uint8 if t.element_size() == 1 else torch.uint16)
         out = t.numpy()
     if not isinstance(out, np.ndarray):
         raise TypeError(f"encode: out must be a numpy array or CPU torch tensor, got {type(out).__name__}")
@@ -319,8 +325,10 @@ def encode(
 
     See the module docstring for the rounding, overflow, zero and NaN rules. Returns a numpy
     array of ``x``'s shape, or a torch tensor (torch.uint8 / torch.uint16) for a torch input.
-    ``out``: write the codes into this array or CPU tensor instead (code dtype, ``x``'s shape,
-    C-contiguous; saves the allocation when encoding repeatedly) and return it.
+    ``out``: write the codes into this array or CPU tensor instead (code dtype -- or the torch
+    float8 dtype of this very format --, ``x``'s shape, C-contiguous; saves the allocation when
+    encoding repeatedly) and return it. If encoding raises (e.g. NaN into a format without NaN),
+    ``out``'s contents are unspecified.
     """
     fmt = get_format(fmt)
     arr, from_torch = as_float_array(x)

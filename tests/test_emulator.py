@@ -350,6 +350,9 @@ def test_encode_into_out_equals_allocating_encode(mode):
     x16 = np.linspace(-1e5, 1e5, 33, dtype=np.float64)
     o16 = np.empty(33, np.uint16)
     np.testing.assert_array_equal(fp8sim.encode(x16, "bf16", out=o16), fp8sim.encode(x16, "bf16"))
+    tb = torch.empty(33, dtype=torch.bfloat16)  # bf16 codes are bfloat16 bit patterns
+    fp8sim.encode(x16, "bf16", out=tb)
+    assert torch.equal(tb, torch.from_numpy(x16).to(torch.bfloat16))
 
 
 def test_encode_out_is_checked():
@@ -369,3 +372,10 @@ def test_encode_out_is_checked():
         fp8sim.encode(raw[:5], "e4m3", out=raw.view(np.uint8)[:5])
     with pytest.raises(TypeError, match="numpy array or CPU torch tensor"):
         fp8sim.encode(x, "e4m3", out=[0] * 20)
+    # a torch float8 tensor must be of the same format (its bits are the codes)
+    with pytest.raises(TypeError, match="cannot hold e4m3 codes"):
+        fp8sim.encode(x, "e4m3", out=torch.empty((4, 5), dtype=torch.float8_e5m2))
+    with pytest.raises(TypeError, match="cannot hold e2m1 codes"):
+        fp8sim.encode(x, "e2m1", out=torch.empty((4, 5), dtype=torch.float4_e2m1fn_x2))
+    with pytest.raises(TypeError, match="cannot hold e4m3 codes"):
+        fp8sim.encode(x, "e4m3", out=torch.empty((4, 5), dtype=torch.float16))

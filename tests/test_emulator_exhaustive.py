@@ -213,3 +213,21 @@ def test_parallel_kernels_equal_their_serial_twins(name):
                 assert np.array_equal(large, np.tile(small, 3))
         assert np.array_equal(fp8sim.decode(np.tile(small, 3), fmt),
                               np.tile(fp8sim.decode(small, fmt), 3), equal_nan=True)
+
+
+def test_float32_rne_kernel_ignores_denormals_are_zero(sweep32):
+    """``torch.set_flush_denormal(True)`` sets the CPU's denormals-are-zero / flush-to-zero bits
+    for the calling thread, where the serial kernels run: float32 subnormal inputs must still
+    round as the reference says (bf16 and the e8mY formats give them nonzero codes)."""
+    tiny = np.concatenate([sweep32[np.abs(sweep32) < np.float32(2.0**-120)][:50000],
+                           np.array([1e-40, -3e-39, 1.4e-45, -1.17e-38], np.float32)])
+    assert (np.abs(tiny[np.isfinite(tiny)]) < np.finfo(np.float32).tiny).sum() > 1000
+    want = {n: encode_reference(tiny, fp8sim.get_format(n), rounding="rne", saturate=True)
+            for n in ("bf16", "e8m3", "e8m5")}
+    assert torch.set_flush_denormal(True)
+    try:
+        for n, ref in want.items():
+            got = emulator._encode_numpy(tiny, fp8sim.get_format(n), "rne", True, None, None, None)
+            assert np.array_equal(got.astype(np.int64), ref), n
+    finally:
+        torch.set_flush_denormal(False)

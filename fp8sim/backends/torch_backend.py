@@ -132,7 +132,8 @@ def _decode_f32(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
         # sign, cleared), exponent and mantissa at bits 13..7: the float16 of value / 2**8,
         # subnormals included (float16's exponent range holds them). A NaN code (S.1111.111)
         # would read as +-480 / 2**8: adding 1 at bit 7 carries into bit 14 for it alone, and
-        # that bit completes float16's all-ones exponent (NaN, sign kept).
+        # that bit completes float16's all-ones exponent (a NaN; its sign and payload after the
+        # float32 multiply are not specified -- NaN bits carry no meaning, compare NaN-aware).
         bits = torch.bitwise_left_shift(codes.contiguous().view(torch.int8).to(torch.int16), 7)
         bits.bitwise_and_(_E4M3_F16_MASK)
         bits.bitwise_or_(torch.add(bits, 0x80).bitwise_and_(0x4000))
