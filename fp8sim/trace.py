@@ -443,15 +443,19 @@ def _json_ready(d: dict) -> dict:
 
 
 def _list_chunks(path: Path) -> list[tuple[int, int, int, Path]]:
-    """(seq, first_step, last_step, path) of every complete chunk file, by seq."""
-    out = []
+    """(seq, first_step, last_step, path) of every complete chunk file, by seq. Two files of one
+    seq exist only when a truncation (:mod:`fp8sim.trace_truncate`) was interrupted between
+    writing the shortened chunk and removing the old one: the shorter one counts."""
+    best: dict[int, tuple[int, int, int, Path]] = {}
     d = path / _CHUNK_DIR
     if d.is_dir():
         for f in d.iterdir():
             m = _CHUNK_RE.match(f.name)
             if m:
-                out.append((int(m.group(1)), int(m.group(2)), int(m.group(3)), f))
-    return sorted(out)
+                c = (int(m.group(1)), int(m.group(2)), int(m.group(3)), f)
+                if c[0] not in best or c[2] < best[c[0]][2]:
+                    best[c[0]] = c
+    return sorted(best.values())
 
 
 def __getattr__(name: str) -> Any:

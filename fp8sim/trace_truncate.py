@@ -5,7 +5,8 @@ The trace may already hold some of them (a chunk flushed when the run was interr
 tensors saved): :func:`truncate_trace` removes every record and saved tensor of a later step, so
 the re-recorded steps replace them instead of colliding. A chunk that straddles the step is
 rewritten with its earlier rows (new file first, then the old one is removed: an interruption
-leaves either, never neither). Used by :meth:`fp8sim.trace.TraceWriter.truncate_after`.
+leaves both, and readers then take the shorter one -- see ``fp8sim.trace._list_chunks`` -- until
+the next truncation removes the other). Used by :meth:`fp8sim.trace.TraceWriter.truncate_after`.
 """
 
 from __future__ import annotations
@@ -36,10 +37,15 @@ def truncate_trace(path: str | os.PathLike, step: int) -> tuple[int, int | None]
 
     Returns ``(next chunk sequence number, last step still stored or None)``.
     """
-    from fp8sim.trace import _CHUNK_DIR, _TENSOR_DIR, _TENSOR_RE, _atomic_write, _list_chunks
+    from fp8sim.trace import _CHUNK_DIR, _CHUNK_RE, _TENSOR_DIR, _TENSOR_RE, _atomic_write, _list_chunks
 
     path = Path(path)
     step = int(step)
+    listed = {c[3] for c in _list_chunks(path)}
+    if (path / _CHUNK_DIR).is_dir():  # the longer twin a previous interrupted truncation left
+        for f in (path / _CHUNK_DIR).iterdir():
+            if _CHUNK_RE.match(f.name) and f not in listed:
+                f.unlink()
     for seq, first, last, f in _list_chunks(path):
         if first > step:
             f.unlink()

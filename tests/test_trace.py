@@ -390,3 +390,30 @@ def test_truncate_after_drops_later_steps_and_appends_again(tmp_path):
         for n in ("a", "b"):
             ha, hb = a.histogram(step, n), b.histogram(step, n)
             assert np.array_equal(ha.bins, hb.bins) and np.array_equal(ha.counts, hb.counts)
+
+
+def test_interrupted_truncation_leaves_no_duplicate_steps(tmp_path):
+    """A truncation killed between writing the shortened chunk and removing the old one leaves
+    both files of one sequence number: readers take the shorter, the next truncation removes
+    the other."""
+    import shutil
+
+    from fp8sim.trace_truncate import truncate_trace
+
+    t = tmp_path / "t"
+    with TraceWriter(t, chunk_steps=3) as tw:
+        for n in ("a", "b"):
+            tw.add_tensor(n, "activation", "e4m3", (64,))
+        _write_steps(tw, range(1, 7))  # chunks 1..3 and 4..6
+    old = sorted((t / "chunks").iterdir())[-1]
+    keep = tmp_path / "old.npz"
+    shutil.copy(old, keep)
+    truncate_trace(t, 4)
+    shutil.copy(keep, old)  # as if the old chunk had not been removed yet
+    assert len(list((t / "chunks").iterdir())) == 3
+    r = TraceReader(t)
+    assert r.steps().tolist() == [1, 2, 3, 4] and r.scalars()["step"].size == 8  # 2 tensors x 4 steps
+    truncate_trace(t, 4)
+    assert len(list((t / "chunks").iterdir())) == 2 and not old.exists()
+    r = TraceReader(t)
+    assert r.steps().tolist() == [1, 2, 3, 4] and r.scalars()["step"].size == 8
