@@ -6,7 +6,8 @@ Rows: float32 -> e4m3 / e5m2 encode (rne, saturating), the e4m3 encode again int
 ``out=`` (against torch's ``copy_`` into a preallocated float8 tensor: neither side pays for the
 zeroed pages of a fresh 64 MiB result), decode e4m3 -> float32, float64 -> e4m3 encode,
 stochastic encode (Philox). Columns: time of each contender (median of --reps runs after
-a warm-up) and the emulator's speed relative to it (> 1 means the emulator is faster).
+a warm-up; the emulator, its contenders and the copy run in turn within every repetition, so all
+meet the same machine state) and the emulator's speed relative to it (> 1 means the emulator is faster).
 Contenders: torch's CPU cast (``.to(torch.float8_e4m3fn)`` / ``.to(torch.float32)``), ml_dtypes
 ``astype``, and a numpy copy of the same array (the memory-bandwidth yardstick; "element rate"
 = elements per second, so 100% means as many elements per second as the copy).
@@ -34,6 +35,19 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def _interleaved_times(fns: dict, reps: int) -> dict:
+    """Median seconds of each function, the functions run in turn within every repetition."""
+    for fn in fns.values():
+        fn()  # warm-up (numba compile, first page faults)
+    times: dict = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--log2n", type=int, default=26)
@@ -58,46 +72,34 @@ def main() -> None:
     sub = x32[: n // 8]
 
     r = args.reps
-    t_copy = _median_time(lambda: np.copyto(copy_dst, x32), r)
     rows = []
 
-    def row(name, t_emu, contenders):
-        rows.append((name, t_emu, contenders))
+    def row(name, fns, ml=None):
+        """Time the emulator (key "emu") and its contenders interleaved: every repetition runs
+        each once, in turn, so all of them meet the same machine state (load, free huge pages)."""
+        fns = {**fns, "numpy copy": lambda: np.copyto(copy_dst, x32)}
+        times = _interleaved_times(fns, r)
+        if ml is not None:  # ml_dtypes is slow: 1/8 of the data, scaled (its cost is linear in n)
+            times["ml_dtypes"] = 8 * _median_time(ml, max(3, r // 2))
+        rows.append((name, times.pop("emu"), times))
 
-    t = _median_time(lambda: fp8sim.encode(x32, "e4m3"), r)
-    row("f32->e4m3 rne sat", t, {
-        "torch": _median_time(lambda: t32.to(torch.float8_e4m3fn), r),
-        "ml_dtypes": 8 * _median_time(lambda: sub.astype(ml_dtypes.float8_e4m3fn), max(3, r // 2)),
-        "numpy copy": t_copy,
-    })
+    row("f32->e4m3 rne sat", {"emu": lambda: fp8sim.encode(x32, "e4m3"),
+                              "torch": lambda: t32.to(torch.float8_e4m3fn)},
+        ml=lambda: sub.astype(ml_dtypes.float8_e4m3fn))
     # the same cast into preallocated outputs on both sides (no page zeroing of a fresh result)
     out8 = np.empty(n, np.uint8)
     t8 = torch.empty(n, dtype=torch.float8_e4m3fn)
-    t = _median_time(lambda: fp8sim.encode(x32, "e4m3", out=out8), r)
-    row("f32->e4m3 rne sat, into out=", t, {
-        "torch": _median_time(lambda: t8.copy_(t32), r),
-        "numpy copy": t_copy,
-    })
-    t = _median_time(lambda: fp8sim.encode(x32, "e5m2"), r)
-    row("f32->e5m2 rne sat", t, {
-        "torch": _median_time(lambda: t32.to(torch.float8_e5m2), r),
-        "ml_dtypes": 8 * _median_time(lambda: sub.astype(ml_dtypes.float8_e5m2), max(3, r // 2)),
-        "numpy copy": t_copy,
-    })
-    t = _median_time(lambda: fp8sim.decode(codes, "e4m3"), r)
-    row("decode e4m3->f32", t, {
-        "torch": _median_time(lambda: tcodes.to(torch.float32), r),
-        "ml_dtypes": 8 * _median_time(
-            lambda: codes[: n // 8].view(ml_dtypes.float8_e4m3fn).astype(np.float32), max(3, r // 2)),
-        "numpy copy": t_copy,
-    })
-    t = _median_time(lambda: fp8sim.encode(x64, "e4m3"), r)
-    row("f64->e4m3 rne sat", t, {
-        "torch": _median_time(lambda: torch.from_numpy(x64).to(torch.float8_e4m3fn), r),
-        "numpy copy": t_copy,
-    })
-    t = _median_time(lambda: fp8sim.encode(x32, "e4m3", rounding="stochastic", seed=1), r)
-    row("f32->e4m3 stochastic", t, {"numpy copy": t_copy})
+    row("f32->e4m3 rne sat, into out=", {"emu": lambda: fp8sim.encode(x32, "e4m3", out=out8),
+                                         "torch": lambda: t8.copy_(t32)})
+    row("f32->e5m2 rne sat", {"emu": lambda: fp8sim.encode(x32, "e5m2"),
+                              "torch": lambda: t32.to(torch.float8_e5m2)},
+        ml=lambda: sub.astype(ml_dtypes.float8_e5m2))
+    row("decode e4m3->f32", {"emu": lambda: fp8sim.decode(codes, "e4m3"),
+                             "torch": lambda: tcodes.to(torch.float32)},
+        ml=lambda: codes[: n // 8].view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    row("f64->e4m3 rne sat", {"emu": lambda: fp8sim.encode(x64, "e4m3"),
+                              "torch": lambda: torch.from_numpy(x64).to(torch.float8_e4m3fn)})
+    row("f32->e4m3 stochastic", {"emu": lambda: fp8sim.encode(x32, "e4m3", rounding="stochastic", seed=1)})
 
     names = ["torch", "ml_dtypes", "numpy copy"]
     header = ["operation", "emulator ms"] + [f"{c} ms" for c in names] + [
