@@ -415,12 +415,7 @@ def open_dump(path: str | os.PathLike) -> Dump:
     p = str(path)
     if os.path.isdir(p):
         if is_trace(p):
-            try:
-                return _open_trace(p)
-            except ValueError:
-                raise
-            except Exception as exc:
-                raise ValueError(f"{p}: {type(exc).__name__}: {_first_line(exc)}") from None
+            return _open_one_line(_open_trace, p)
         raise ValueError(f"{p}: a directory that is not an fp8sim trace; use expand_paths")
     if not os.path.exists(p):
         raise ValueError(f"{p}: no such file")
@@ -431,6 +426,11 @@ def open_dump(path: str | os.PathLike) -> Dump:
             f"{p}: unknown dump type {suffix or '(no suffix)'}; valid: "
             f"{', '.join(DUMP_SUFFIXES)}, or an fp8sim trace directory"
         )
+    return _open_one_line(opener, p)
+
+
+def _open_one_line(opener: Callable[[str], Dump], p: str) -> Dump:
+    """``opener(p)`` with every failure turned into one ValueError line naming ``p``."""
     try:
         return opener(p)
     except ValueError:

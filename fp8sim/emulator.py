@@ -288,13 +288,14 @@ def _check_out(out: Any, arr: np.ndarray, fmt: FloatFormat) -> np.ndarray:
         if out.device.type != "cpu":
             raise ValueError(f"encode: out must be a CPU tensor, got one on {out.device}")
         t = out.detach()
-        if t.dtype.is_floating_point:  # a torch float8 tensor of this very format: codes are its bits
-            same = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2", "e4m3fnuz": "float8_e4m3fnuz",
-                    "e5m2fnuz": "float8_e5m2fnuz", "e8m0": "float8_e8m0fnu", "fp16": "float16",
-                    "bf16": "bfloat16"}.get(fmt.name)
-            if same is None or t.dtype != getattr(torch, same, None):
+        if t.dtype.is_floating_point:  # a torch tensor of this very format: codes are its bits
+            try:
+                same = get_format(str(t.dtype).removeprefix("torch.")) == fmt
+            except ValueError:  # a torch dtype that is no format of ours (e.g. float4_e2m1fn_x2)
+                same = False
+            if not same:
                 raise TypeError(f"encode: out of dtype {t.dtype} cannot hold {fmt.name} codes "
-                                f"(give {'torch.' + same if same else 'a uint8/uint16 array'})")
+                                f"(give a torch tensor of that format's dtype or a uint8/uint16 array)")
             t = t.view(torch.uint8 if t.element_size() == 1 else torch.uint16)
         out = t.numpy()
     if not isinstance(out, np.ndarray):

@@ -248,8 +248,9 @@ class TorchBackend(Backend):
             # as the emulator backend: exact products summed in float64, scaled, rounded once
             acc = _decode_f32(a_codes, a_fmt).double() @ _decode_f32(b_codes, b_fmt).double()
             return (acc * sa.double() * sb.double()).to(out_dtype)
-        acc = _decode_f32(a_codes, a_fmt) @ _decode_f32(b_codes, b_fmt)  # float32 accumulate
-        return (acc * sa * sb).to(out_dtype)
+        # float32 accumulate on a GPU without torch._scaled_mm for these operands: the CPU's
+        # float32 GEMM with its epilogue (acc * float32(sa * sb))
+        return mm_float32(_decode_f32(a_codes, a_fmt), _decode_f32(b_codes, b_fmt), sa, sb, out_dtype)
 
     def _adam_step(
         self,
