@@ -84,7 +84,7 @@ def run_demo(
     from analysis.replay import replay_policies, summary_rows
     from analysis.report import format_replay_table
     from fp8sim.training import record
-    from fp8sim.training.compare import compare_runs, format_comparison, plot_loss_curves
+    from fp8sim.training.compare import compare_runs, plot_loss_curves
     from fp8sim.training.data import load_corpus
     from fp8sim.training.model import GPTConfig
     from fp8sim.training.recipes import get_recipe

@@ -17,17 +17,18 @@ Scalings: ``none`` (scale 1: a plain cast) or any :func:`fp8sim.scaling.parse_gr
 (``tensor``, ``row``, ``col``, ``block:RxC``, ``mx``, ``mx:rceil``), just in time from each group's
 amax with ``scale_from_amax`` / ``mx_shared_scale`` -- the scaling module's own functions.
 
-Passes, per chunk of the flat tensor (bounded memory, files read lazily): pass A is one numba pass
-computing the format-independent figures (NaN/inf/zero counts, amax, sum x^2, the log2|x|
-histogram) and every requested granularity's per-group amax; pass B is one numba pass computing
-every variant's figures at once. A just-in-time tensor scale needs the whole tensor's amax before
-the first cast, hence two passes; everything else is fused. Inside a pass, a chunk is split into
-parts run on threads (the numba functions release the GIL), each part into L1-sized blocks whose
-loops are branch-free so LLVM vectorizes them; the cast works on float32 bit patterns (RNE as an
-integer add in the normal range, a float32 add of a constant at the subnormal quantum).
+Passes, per chunk of the flat tensor (bounded memory, files read lazily): pass A (only when a
+variant scales just in time) is one numba pass computing the tensor's amax and every requested
+granularity's per-group amax -- a just-in-time scale needs them before the first cast; pass B is
+one numba pass computing everything else: the format-independent figures (NaN/inf/zero counts,
+amax, sum x^2, the log2|x| histogram) and every variant's figures, block by block, so the data is
+read from memory once and each variant's cast reads the block from L1. Inside a pass, a chunk is
+split into parts, one per numba thread (``prange``), each part into L1-sized blocks whose loops
+are branch-free so LLVM vectorizes them; the cast works on float32 bit patterns in 32-bit lanes
+(RNE as an integer add in the normal range, a float32 add of a constant at the subnormal quantum).
 
 Counts are exact (tests compare them with ``quantize_scaled`` + ``dequantize``); the two sums are
-float64 accumulations in a fixed order (blocks of four interleaved partial sums), equal to the
+float64 accumulations in a fixed order (blocks of eight interleaved partial sums), equal to the
 exactly rounded sum to ~1e-12 relative.
 """
 
@@ -41,7 +42,7 @@ import numpy as np
 
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import Granularity, mx_shared_scale, parse_granularity, scale_from_amax, view2d
-from analysis.stats_kernels import _HIGH_EXP, _pass_a, _pass_b, _parts
+from analysis.stats_kernels import _HIGH_EXP, N_LOG2, _pass_a, _pass_b, _parts
 from fp8sim.abs_histogram import EXPONENT_MAX, EXPONENT_MIN
 
 __all__ = [
@@ -59,7 +60,7 @@ __all__ = [
 LOG2_EXPONENTS = np.arange(EXPONENT_MIN, EXPONENT_MAX + 1)
 #: elements per chunk (4 MiB of float32)
 DEFAULT_CHUNK = 1 << 20
-_N_LOG2 = EXPONENT_MAX - EXPONENT_MIN + 1
+_N_LOG2 = N_LOG2
 
 
 # ------------------------------------------------------------------------------------------
@@ -247,9 +248,11 @@ def tensor_stats(
     progress: Callable[[int], None] | None = None,
 ) -> TensorStats:
     """Statistics of ``x`` (numpy array, CPU torch tensor or a ``dumps.TensorSource``) under every
-    variant, reading it chunk by chunk (twice: pass A, then pass B).
+    variant, reading it chunk by chunk: twice (pass A, then pass B) when a variant scales just
+    in time, once (pass B) when every variant is ``none``.
 
-    ``progress(n)`` is called with the number of elements each pass finished (2 x numel in all).
+    ``progress(n)`` is called with the number of elements each pass finished (2 x numel in all;
+    pass B counts twice when pass A was not needed).
     Raises TypeError for non-float input.
     """
     read, shape, dtype = _as_reader(x)
@@ -272,12 +275,11 @@ def tensor_stats(
     g_amax = [np.zeros(gr * gc, np.uint32) for (_, _, gc, gr) in g_tiles]  # float32 bits
     g_nan = [np.zeros(gr * gc, bool) for (_, _, gc, gr) in g_tiles]  # group holds a NaN
 
-    # ---- pass A ----
-    counts = np.zeros(3, np.int64)
-    amax_bits = np.uint32(0)
-    sig2 = np.zeros(2, np.float64)  # (low sum, high sum): see _combine
-    log2 = np.zeros(_N_LOG2, np.int64)
-    for start in range(0, numel, chunk):
+    # ---- pass A (only when a variant needs a just-in-time scale): the amaxes ----
+    tensor_amax = np.uint32(0)  # float32 bits, over the finite values
+    tensor_inf = 0
+    need_a = bool(grans)
+    for start in range(0, numel if need_a else 0, chunk):
         xc = read(start, min(numel, start + chunk))
         first_row = start // n
         last_row = (start + xc.size - 1) // n
@@ -290,17 +292,9 @@ def tensor_stats(
             lo, hi = first_row // r, last_row // r
             gran[j] = (r, c, gc, lo)
             local_off[j + 1] = local_off[j] + (hi - lo + 1) * gc
-        cnt, am, sq, lg, gam, gnn = _pass_a(
-            xc, start, n, gran, local_off, int(local_off[-1]), _parts(xc.size)
-        )
-        counts += cnt.sum(axis=0)
-        amax_bits = max(amax_bits, am.max())
-        sig2 += sq.sum(axis=0)
-        log2 += lg.sum(axis=(0, 1))
-        for k, g in enumerate(grans):
-            if g.kind == "tensor":  # NaN skipped, an inf counts (as quantize_scaled does)
-                a = np.uint32(0x7F800000) if cnt[:, 1].sum() else am.max()
-                g_amax[k][0] = max(g_amax[k][0], a)
+        ta, gam, gnn = _pass_a(xc, start, n, gran, local_off, int(local_off[-1]), _parts(xc.size))
+        tensor_amax = max(tensor_amax, np.uint32(ta[:, 0].max()))
+        tensor_inf += int(ta[:, 1].sum())
         for j, k in enumerate(tiled):
             a, b = int(local_off[j]), int(local_off[j + 1])
             lo = int(gran[j, 3]) * int(gran[j, 2])
@@ -309,14 +303,14 @@ def tensor_stats(
             g_nan[k][tgt] |= gnn[:, a:b].sum(axis=0) > 0
         if progress is not None:
             progress(xc.size)
-    res.nan, res.inf, res.zero = (int(v) for v in counts)
-    res.amax = float(np.array([amax_bits], np.uint32).view(np.float32)[0])
-    res.sig2, res.log2_counts = _combine(sig2), log2
+    for k, g in enumerate(grans):
+        if g.kind == "tensor":  # NaN skipped, an inf counts (as quantize_scaled does)
+            g_amax[k][0] = np.uint32(0x7F800000) if tensor_inf else tensor_amax
 
     # ---- pass B, with each chunk's scales from the scaling module's own rules ----
     # (scales are made per chunk, for the grid rows the chunk touches: an MX scale grid of a
     # 4 GB tensor is never held whole)
-    vint = np.zeros((len(variants), 8), np.int64)
+    vint = np.zeros((len(variants), 10), np.int64)
     vflt = np.zeros((len(variants), 3), np.float64)
     shapes = []
     for k, v in enumerate(variants):
@@ -327,6 +321,8 @@ def tensor_stats(
             gi = grans.index(v.granularity)
             r, c, gc, _ = g_tiles[gi]
         shapes.append((r, gc, gi))
+        vint[k, 8] = int(r >= m and c >= n)  # one scale for the whole tensor
+        vint[k, 9] = int(fmt.emax + 23 - fmt.mantissa_bits <= 127)  # see _cast_block_f32
         mb = fmt.mantissa_bits
         vint[k, :7] = (
             r, c, gc, 0, 23 - mb,
@@ -352,7 +348,16 @@ def tensor_stats(
     verr = np.zeros((len(variants), 2), np.float64)
     smin = np.full(len(variants), np.inf)
     smax = np.full(len(variants), -np.inf)
-    for start in range(0, numel if variants else 0, chunk):
+    counts = np.zeros(3, np.int64)
+    amax_bits = 0
+    sig2 = np.zeros(2, np.float64)  # (low sum, high sum): see _combine
+    log2 = np.zeros(_N_LOG2, np.int64)
+    whole_scales = {}  # variants with one scale for the whole tensor: computed once
+    for k, v in enumerate(variants):
+        r, gc, gi = shapes[k]
+        if vint[k, 8]:
+            whole_scales[k] = chunk_scales(v, gi, 0, gc)
+    for start in range(0, numel, chunk):
         xc = read(start, min(numel, start + chunk))
         first_row, last_row = start // n, (start + xc.size - 1) // n
         sc_parts, si_parts = [], []
@@ -360,7 +365,10 @@ def tensor_stats(
         for k, v in enumerate(variants):
             r, gc, gi = shapes[k]
             lo, hi = first_row // r, last_row // r
-            mult, sinv = chunk_scales(v, gi, lo * gc, (hi + 1) * gc)
+            if k in whole_scales:
+                mult, sinv = whole_scales[k]
+            else:
+                mult, sinv = chunk_scales(v, gi, lo * gc, (hi + 1) * gc)
             sc_parts.append(mult)
             si_parts.append(np.asarray(sinv, np.float32).reshape(-1))
             vint[k, 3] = off
@@ -370,12 +378,20 @@ def tensor_stats(
             if fin.size:
                 smin[k] = min(smin[k], float(fin.min()))
                 smax[k] = max(smax[k], float(fin.max()))
-        cnt, e2 = _pass_b(xc, start, n, vint, vflt, np.concatenate(sc_parts),
-                          np.concatenate(si_parts), _parts(xc.size))  # fmt: skip
-        vcounts += cnt.sum(axis=0)
-        verr += e2.sum(axis=0)
-        if progress is not None:
-            progress(xc.size)
+        scales = np.concatenate(sc_parts) if sc_parts else np.ones(1, np.float32)
+        sinvs = np.concatenate(si_parts) if si_parts else np.ones(1, np.float32)
+        base, sq, lg, cnt, e2 = _pass_b(xc, start, n, vint, vflt, scales, sinvs, _parts(xc.size))
+        counts += base[:3]
+        amax_bits = max(amax_bits, int(base[3]))
+        sig2 += sq
+        log2 += lg
+        vcounts += cnt
+        verr += e2
+        if progress is not None:  # 2 x numel in all, also when pass A was not needed
+            progress(xc.size if need_a else 2 * xc.size)
+    res.nan, res.inf, res.zero = (int(v) for v in counts)
+    res.amax = float(np.array([amax_bits], np.uint32).view(np.float32)[0])
+    res.sig2, res.log2_counts = _combine(sig2), log2
 
     s_m, s_e = _mant_exp(sig2)
     for k, v in enumerate(variants):

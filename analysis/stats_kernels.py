@@ -1,8 +1,16 @@
 """The numba passes behind :func:`analysis.stats.tensor_stats` (see its module docstring).
 
-Pass A (format-independent figures and per-group amaxes) and pass B (every variant's cast
-figures at once), each split into parts run on threads, each part into L1-sized blocks with
-branch-free loops; the cast works on float32 bit patterns.
+Pass A (only when a variant needs a just-in-time scale): each granularity's group amaxes, the
+tensor's finite amax and inf count. Pass B: everything else in one read of the data -- the
+format-independent figures (NaN/inf/zero counts, amax, sum x^2, the log2|x| histogram) and
+every variant's cast figures -- block by block, so each L1-sized block is loaded from memory once
+and every variant's cast reads it from L1.
+
+Each pass splits a chunk into parts, one per numba thread (``prange`` over the parts: each part
+writes only its own outputs, so the figures do not depend on thread timing), each part into
+blocks of ``_BLOCK`` elements with branch-free loops that LLVM vectorizes. The cast works on
+float32 bit patterns in 32-bit integer lanes (:func:`fp8sim._bitcast.add32` and friends: numba
+would widen uint32 arithmetic to 64 bits and halve the lanes).
 """
 
 from __future__ import annotations
@@ -10,75 +18,132 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from fp8sim._bitcast import add32, and32, shr32
 from fp8sim._bitcast import bits_f32 as _bits_f32
 from fp8sim._bitcast import f32_bits as _f32_bits
-from fp8sim._jit import jit_serial
+from numba.core import types
+from numba.extending import overload
+
+from fp8sim._jit import jit_kernel, jit_serial
 from fp8sim.abs_histogram import EXPONENT_MAX, EXPONENT_MIN
 
-# ------------------------------------------------------------------------------------------
-# numba kernels
-# ------------------------------------------------------------------------------------------
+#: log2|x| histogram bins (floor(log2 float32(|x|)) - EXPONENT_MIN; the ends are sentinels)
+N_LOG2 = EXPONENT_MAX - EXPONENT_MIN + 1
+#: copies of the exponent-byte histogram a part scatters into (element k into copy k % 8): no
+#: store-to-load chain on a hot bin
+N_HIST_COPIES = 8
 
 
 def _parts(n: int) -> int:
-    """Thread parts for n elements: at most one per numba thread, at least 64 Ki elements each."""
-    return max(1, min(numba.get_num_threads(), n // (1 << 16)))
+    """Parts of a chunk of n elements: 64 Ki elements or more each, at most 64, whatever the
+    thread count (so the figures, summed part by part in order, do not depend on it). The
+    threads take parts as they finish the previous one (``_run``): on a shared machine one slow
+    thread then costs its share of the time, not half the pass."""
+    return max(1, min(64, n // (1 << 16)))
 
 
-#: elements per inner block: the float64 scratch buffers stay in L1
-_BLOCK = 2048
-_SKIP = 0xFFFFFFFF  # "no histogram entry" marker (zero, NaN, inf)
+def _run(kernel, *args) -> None:
+    """Run a ``prange``-over-parts kernel with dynamic scheduling (one part at a time)."""
+    with numba.parallel_chunksize(1):
+        kernel(*args)
+
+
+#: elements per inner block: the block, its float64 scratch and the histogram copies stay in L1
+_BLOCK = 1024
+_MAG = np.uint32(0x7FFFFFFF)  # float32 magnitude bits
+_MIN_NORMAL32 = np.uint32(0x00800000)  # bits of 2**-126
+_ONE = np.uint32(1)
+_EXP_SHIFT = np.uint32(23)
 # squares of |v| >= _BIG (float64 only) could overflow a sum: they are summed as (v * _DOWN)^2
-# in a second, "high" sum worth _DOWN**-2 = 2**_HIGH_EXP times its value (see _combine); the
-# low sum stays below 2**1023 for up to 2**63 elements, the high one too
+# in a second, "high" sum worth _DOWN**-2 = 2**_HIGH_EXP times its value (see stats._combine);
+# the low sum stays below 2**1023 for up to 2**63 elements, the high one too
 _BIG = 2.0**480
 _DOWN = 2.0**-540
 _HIGH_EXP = 1080
-_SUB = 0xFFFFFFFE  # "float32 subnormal: find the bin in the scatter loop" marker
 
 
 @jit_serial
-def _sum4(buf, m):
-    """Sum of buf[:m] with four interleaved accumulators (a fixed order: deterministic)."""
-    s0 = 0.0
-    s1 = 0.0
-    s2 = 0.0
-    s3 = 0.0
-    q = m // 4
-    for k in range(q):
-        s0 += buf[4 * k]
-        s1 += buf[4 * k + 1]
-        s2 += buf[4 * k + 2]
-        s3 += buf[4 * k + 3]
-    for k in range(4 * q, m):
-        s0 += buf[k]
-    return (s0 + s1) + (s2 + s3)
+def _sum8(buf, m):
+    """Pairwise sum of buf[:m] (a fixed order: deterministic), overwriting buf: each level adds
+    the upper half onto the lower half elementwise (a loop LLVM vectorizes, where an ordered
+    sum would run one scalar add at a time), down to 16 values summed in order."""
+    while m > 16:
+        h = m // 2
+        o = m - h
+        lo = buf[:h]
+        hi = buf[o : o + h]
+        for k in range(h):
+            lo[k] += hi[k]
+        m = o
+    s = 0.0
+    for k in range(m):
+        s += buf[k]
+    return s
 
 
 @jit_serial
-def _scan_block(xs, buf, ubuf, log2):
-    """Format-independent figures of one block ``xs`` (a contiguous view, <= _BLOCK long).
+def _count_exponent_bytes(xs, hist):
+    """``hist[k % 8, b] += 1`` for each element k of ``xs`` whose float32 has exponent byte b.
 
-    A branch-free first loop (LLVM vectorizes it): NaN/inf/zero counts, the max float32 bits of
-    the finite |x| (bit patterns order like magnitudes), x^2 into ``buf``, and each value's
-    log2 bin into ``ubuf``; then the histogram scatter into 4 interleaved copies of ``log2``
-    (no store-to-load chains on a hot bin). Returns (nan, inf, zero, amax bits, sum x^2).
+    Eight copies, the loop unrolled by eight: an element waits on the store of the same copy's
+    counter only eight elements back, so a hot bin does not serialize the loop (uint32: a part
+    holds fewer than 2**32 elements per copy).
     """
     m = xs.size
-    nan = 0
-    inf = 0
-    zero = 0
+    q = m // 8
+    for i in range(q):
+        b = xs[8 * i : 8 * i + 8]
+        hist[0, shr32(and32(_f32_bits(np.float32(b[0])), _MAG), _EXP_SHIFT)] += 1
+        hist[1, shr32(and32(_f32_bits(np.float32(b[1])), _MAG), _EXP_SHIFT)] += 1
+        hist[2, shr32(and32(_f32_bits(np.float32(b[2])), _MAG), _EXP_SHIFT)] += 1
+        hist[3, shr32(and32(_f32_bits(np.float32(b[3])), _MAG), _EXP_SHIFT)] += 1
+        hist[4, shr32(and32(_f32_bits(np.float32(b[4])), _MAG), _EXP_SHIFT)] += 1
+        hist[5, shr32(and32(_f32_bits(np.float32(b[5])), _MAG), _EXP_SHIFT)] += 1
+        hist[6, shr32(and32(_f32_bits(np.float32(b[6])), _MAG), _EXP_SHIFT)] += 1
+        hist[7, shr32(and32(_f32_bits(np.float32(b[7])), _MAG), _EXP_SHIFT)] += 1
+    for k in range(8 * q, m):
+        hist[0, shr32(and32(_f32_bits(np.float32(xs[k])), _MAG), _EXP_SHIFT)] += 1
+
+
+@jit_serial
+def _byte_count(hist, b):
+    """Elements counted so far with exponent byte b (all copies)."""
+    t = 0
+    for j in range(hist.shape[0]):
+        t += np.int64(hist[j, b])
+    return t
+
+
+@jit_serial
+def _scan_block(xs, buf, hist, hsub):
+    """Format-independent figures of one block ``xs`` (float32 or float64, contiguous).
+
+    A branch-free loop (vectorized): NaN/inf/zero counts, the max float32 bits of the finite |x|
+    (bit patterns order like magnitudes), the count of float32 subnormals, x^2 into ``buf``.
+    Then every element's float32 exponent byte is counted into ``hist[k % 8, byte]`` (zero and
+    subnormals land in byte 0, NaN/inf and float64 values beyond float32 in byte 255: the caller
+    separates them with the counts), and only if the block holds float32 subnormals, their
+    floor(log2) from the leading one goes into ``hsub`` (indexed like the final histogram).
+    Returns (nan, inf, zero, amax bits, sum x^2 low, high).
+    """
+    m = xs.size
+    nan = np.uint32(0)
+    inf = np.uint32(0)
+    zero = np.uint32(0)
+    nsub = np.uint32(0)
+    big = np.uint32(0)
     mxb = np.uint32(0)
-    big = 0
     for k in range(m):
         v = np.float64(xs[k])
         ax = abs(v)
-        nan += np.int64(v != v)
-        inf += np.int64(ax == np.inf)
-        zero += np.int64(v == 0.0)
-        u = _f32_bits(np.float32(ax))
-        mxb = max(mxb, u & (np.uint32(0) - np.uint32(ax < np.inf)))  # finite x only
-        big += np.int64(ax >= _BIG) & np.int64(ax < np.inf)
+        fin = ax < np.inf
+        u = and32(_f32_bits(np.float32(xs[k])), _MAG)
+        nan = add32(nan, v != v)
+        inf = add32(inf, ax == np.inf)
+        zero = add32(zero, v == 0.0)
+        nsub = add32(nsub, (u != np.uint32(0)) & (u < _MIN_NORMAL32))
+        mxb = max(mxb, u if fin else np.uint32(0))
+        big = add32(big, fin & (ax >= _BIG))
         buf[k] = v * v if ax < _BIG else 0.0
     sqh = 0.0
     if big:  # rare: float64 values whose squares overflow
@@ -87,47 +152,17 @@ def _scan_block(xs, buf, ubuf, log2):
             if ax >= _BIG and ax < np.inf:
                 w = ax * _DOWN
                 sqh += w * w
-    top = np.uint32(EXPONENT_MAX - EXPONENT_MIN)
-    for k in range(m):
-        v = np.float64(xs[k])
-        ax = abs(v)
-        u = _f32_bits(np.float32(ax))
-        eb = u >> np.uint32(23)
-        # bin = floor(log2) - EXPONENT_MIN: normal eb - 127 + 150; eb 255 (a float64 beyond
-        # float32) and u == 0 (a nonzero float64 below it) are the sentinels; float32
-        # subnormals are resolved in the scatter loop
-        idx = eb + np.uint32(23)
-        idx = top if eb == np.uint32(255) else idx
-        idx = np.uint32(_SUB) if eb == np.uint32(0) else idx
-        idx = np.uint32(0) if u == np.uint32(0) else idx
-        ubuf[k] = idx if ((ax < np.inf) & (v != 0.0)) else np.uint32(_SKIP)
-    sq = _sum4(buf, m)
-    for k in range(m):
-        b = ubuf[k]
-        if b >= np.uint32(_SUB):
-            if b == np.uint32(_SKIP):
-                continue
-            u = _f32_bits(np.float32(abs(np.float64(xs[k]))))
-            e = -150  # float32 subnormal: floor(log2) from the leading one
-            while u > 0:
-                u >>= np.uint32(1)
-                e += 1
-            b = np.uint32(e - EXPONENT_MIN)
-        log2[k & 3, b] += 1
-    return nan, inf, zero, mxb, sq, sqh
-
-
-@jit_serial
-def _tile_amax(xs):
-    """(max float32 bits of |x| over non-NaN elements (inf included), NaN count) of a tile."""
-    mxb = np.uint32(0)
-    nan = 0
-    for k in range(xs.size):
-        v = np.float64(xs[k])
-        nan += np.int64(v != v)
-        u = _f32_bits(np.float32(abs(v)))
-        mxb = max(mxb, u & (np.uint32(0) - np.uint32(v == v)))
-    return mxb, nan
+    _count_exponent_bytes(xs, hist)
+    if nsub:  # rare: float32 subnormals, binned by their leading one
+        for k in range(m):
+            u = and32(_f32_bits(np.float32(xs[k])), _MAG)
+            if u != np.uint32(0) and u < _MIN_NORMAL32:
+                e = -150
+                while u > np.uint32(0):
+                    u >>= np.uint32(1)
+                    e += 1
+                hsub[e - EXPONENT_MIN] += 1
+    return nan, inf, zero, mxb, _sum8(buf, m), sqh
 
 
 @jit_serial
@@ -139,29 +174,29 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
     should); below ``min_normal`` the quantum is fixed and ``(a + csub) - csub`` rounds to it in
     float32 (csub = 2**(emin - m + 23)). Overflow: the rounded bits exceed max's bits (an inf
     product too). Branch-free so LLVM vectorizes it. Returns (overflow, underflow, subnormal,
-    sum of (deq - x)^2) over the finite elements.
+    sum of (deq - x)^2 low, high) over the finite elements.
     """
     m = xs.size
-    over = 0
-    under = 0
-    sub = 0
-    big = 0
+    over = np.uint32(0)
+    under = np.uint32(0)
+    sub = np.uint32(0)
+    big = np.uint32(0)
     for k in range(m):
         ax = abs(np.float64(xs[k]))
-        fin = np.int64(ax < np.inf)
-        a = np.float32(np.float32(ax) * sc)
+        fin = ax < np.inf
+        a = np.float32(_bits_f32(and32(_f32_bits(np.float32(xs[k])), _MAG)) * sc)
         u = _f32_bits(a)
-        ur = np.uint32((u + half_m1 + ((u >> shift) & np.uint32(1))) & keep)
+        ur = and32(add32(add32(u, half_m1), and32(shr32(u, shift), _ONE)), keep)
         us = _f32_bits((a + csub) - csub)
         qb = us if u < minnorm_bits else ur
-        ovb = np.int64(qb > max_bits) & fin
-        over += ovb
-        under += fin & np.int64(qb == 0) & np.int64(ax != 0)
-        sub += fin & np.int64(qb != 0) & np.int64(qb < minnorm_bits)
+        ovb = fin & (qb > max_bits)
+        over = add32(over, ovb)
+        under = add32(under, fin & (qb == np.uint32(0)) & (ax != 0.0))
+        sub = add32(sub, fin & (qb != np.uint32(0)) & (qb < minnorm_bits))
         qb = max_bits if ovb else qb
-        d = np.float64(np.float32(_bits_f32(qb) * si)) - ax
-        big += fin & np.int64(abs(d) >= _BIG)
-        buf[k] = d * d if abs(d) < _BIG else 0.0
+        d = abs(np.float64(np.float32(_bits_f32(qb) * si)) - ax)
+        big = add32(big, fin & (d >= _BIG))
+        buf[k] = d * d if d < _BIG else 0.0  # NaN/inf inputs: d is NaN/inf, left out
     qh = 0.0
     if big:  # rare: float64 errors whose squares overflow (same cast as above)
         for k in range(m):
@@ -170,7 +205,7 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
                 continue
             a = np.float32(np.float32(ax) * sc)
             u = _f32_bits(a)
-            ur = np.uint32((u + half_m1 + ((u >> shift) & np.uint32(1))) & keep)
+            ur = and32(add32(add32(u, half_m1), and32(shr32(u, shift), _ONE)), keep)
             us = _f32_bits((a + csub) - csub)
             qb = us if u < minnorm_bits else ur
             qb = max_bits if qb > max_bits else qb
@@ -178,109 +213,233 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
             if d >= _BIG:
                 w = d * _DOWN
                 qh += w * w
-    return over, under, sub, _sum4(buf, m), qh
+    return over, under, sub, _sum8(buf, m), qh
+
+
+# ------------------------------------------------------------------------------------------
+# float32 input: the same figures with fewer float64 operations
+# ------------------------------------------------------------------------------------------
+_INF_BITS = np.uint32(0x7F800000)
+_MINUS1 = np.uint32(0xFFFFFFFF)
 
 
 @jit_serial
-def _part_a(x, s, e, i0, ncols, gran, local_off, log2, gamax, gnan):
-    """Pass A over elements [s, e) of the chunk: see :func:`_pass_a`."""
-    buf = np.empty(_BLOCK, np.float64)
-    ubuf = np.empty(_BLOCK, np.uint32)
-    nan = 0
-    inf = 0
-    zero = 0
-    mxb = np.uint32(0)
-    sq = 0.0
-    sqh = 0.0
-    for b0 in range(s, e, _BLOCK):
-        b1 = min(e, b0 + _BLOCK)
-        n1, n2, n3, mb, q, qh = _scan_block(x[b0:b1], buf, ubuf, log2)
-        sqh += qh
-        nan += n1
-        inf += n2
-        zero += n3
-        mxb = mb if mb > mxb else mxb
-        sq += q
-    if gran.shape[0] > 0:
-        i = s
-        r = (i0 + i) // ncols
-        c = (i0 + i) - r * ncols
-        while i < e:
-            seg = min(ncols - c, e - i)
-            for g in range(gran.shape[0]):
-                R = gran[g, 0]
-                C = gran[g, 1]
-                Gc = gran[g, 2]
-                row_base = local_off[g] + (r // R - gran[g, 3]) * Gc
-                cc = c
-                while cc < c + seg:
-                    t = cc // C
-                    stop = min((t + 1) * C, c + seg)
-                    mb, nn = _tile_amax(x[i + cc - c : i + stop - c])
-                    if mb > gamax[row_base + t]:
-                        gamax[row_base + t] = mb
-                    gnan[row_base + t] += nn
-                    cc = stop
-            i += seg
-            r += 1
-            c = 0
-    return nan, inf, zero, mxb, sq, sqh
+def _scan_block_f32(xs, buf, hist, hsub):
+    """:func:`_scan_block` for float32 blocks (the same results, fewer operations).
 
-
-def _run_parts(fn, n: int, n_parts: int, make_args) -> None:
-    """Run ``fn(*make_args(p, s, e))`` over ``n_parts`` contiguous parts of ``range(n)``, on
-    threads (the numba functions release the GIL); each part writes only its own outputs."""
-    per = (n + n_parts - 1) // n_parts
-    bounds = [(p, p * per, min(n, (p + 1) * per)) for p in range(n_parts)]
-    if n_parts == 1:
-        return [fn(*make_args(*bounds[0]))]
-    return list(_executor().map(lambda b: fn(*make_args(*b)), bounds))
-
-
-_EXECUTOR = None
-
-
-def _executor():
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _EXECUTOR = ThreadPoolExecutor(max_workers=numba.get_num_threads())
-    return _EXECUTOR
-
-
-def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
-    """Format-independent figures of one chunk and each granularity's per-group amax.
-
-    x: the chunk (float32/float64), flat C-order elements i0 .. i0+x.size of the (M, ncols) view.
-    gran[g] = (R, C, Gc, first grid row of this chunk); granularity g's local grid starts at
-    local_off[g] in a per-part buffer of n_local entries.
-    Returns per part: counts (P, 3) = nan, inf, zero; amax bits (P,) (float32 bits of the max
-    finite |float32(x)|); sig2 (P, 2) = sum x^2 over finite as a (low, high) pair (see _combine); log2 (P, 4, n_log2);
-    gamax (P, n_local) group amax as float32 bits (NaN skipped); gnan (P, n_local) NaN counts.
+    The exponent bytes are counted first: byte 255 holds exactly the NaNs and infs, byte 0 the
+    zeros and the subnormals, so only a block with such bytes is looked at again, and a block
+    without NaN/inf takes its amax and squares without masking.
     """
-    log2 = np.zeros((n_parts, 4, EXPONENT_MAX - EXPONENT_MIN + 1), np.int64)
-    gamax = np.zeros((n_parts, n_local), np.uint32)
-    gnan = np.zeros((n_parts, n_local), np.int64)
-    out = _run_parts(
-        _part_a, x.size, n_parts,
-        lambda p, s, e: (x, s, e, i0, ncols, gran, local_off, log2[p], gamax[p], gnan[p]),
-    )  # fmt: skip
-    counts = np.array([o[:3] for o in out], np.int64).reshape(n_parts, 3)
-    amax = np.array([o[3] for o in out], np.uint32)
-    sig2 = np.array([(o[4], o[5]) for o in out], np.float64).reshape(n_parts, 2)
-    return counts, amax, sig2, log2, gamax, gnan
+    m = xs.size
+    low0 = _byte_count(hist, 0)
+    high0 = _byte_count(hist, 255)
+    _count_exponent_bytes(xs, hist)
+    n_low = _byte_count(hist, 0) - low0  # zeros + subnormals
+    n_high = _byte_count(hist, 255) - high0  # NaN + inf
+    mxb = np.uint32(0)
+    nan = 0
+    zero = 0
+    if n_high:
+        for k in range(m):
+            u = and32(_f32_bits(xs[k]), _MAG)
+            fin = u < _INF_BITS
+            nan += np.int64(u > _INF_BITS)
+            mxb = max(mxb, u if fin else np.uint32(0))
+            v = np.float64(xs[k] if fin else np.float32(0))
+            buf[k] = v * v
+    else:
+        for k in range(m):
+            mxb = max(mxb, and32(_f32_bits(xs[k]), _MAG))
+            v = np.float64(xs[k])
+            buf[k] = v * v
+    if n_low:
+        for k in range(m):
+            zero += np.int64(and32(_f32_bits(xs[k]), _MAG) == np.uint32(0))
+        if zero < n_low:  # float32 subnormals, binned by their leading one
+            for k in range(m):
+                u = and32(_f32_bits(xs[k]), _MAG)
+                if u != np.uint32(0) and u < _MIN_NORMAL32:
+                    e = -150
+                    while u > np.uint32(0):
+                        u >>= np.uint32(1)
+                        e += 1
+                    hsub[e - EXPONENT_MIN] += 1
+    return nan, n_high - nan, zero, mxb, _sum8(buf, m), 0.0
 
 
 @jit_serial
-def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, counts, err2):
-    """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
-    buf = np.empty(_BLOCK, np.float64)
+def _cast_block_f32(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf):
+    """:func:`_cast_block` for float32 blocks (the same results, fewer operations).
+
+    The RNE rounding to m mantissa bits is one float32 add and subtract of ``C``, the power of
+    two whose ulp is the quantum at ``a``: ``C = 2**(e + 23 - m)`` for ``a`` in binade ``e``,
+    at least ``csub`` (the fixed subnormal quantum), so ``(a + C) - C`` is ``a`` rounded to
+    nearest even by the FPU at the right position, a carry into the next binade included. Only
+    for formats with ``emax + 23 - m <= 127`` (every format up to 16 bits but bf16-like wide
+    ones; the caller checks): there ``C`` is a float32 for every ``a`` up to the next binade
+    above max, and a larger ``a`` (whose ``C`` bits overflow) comes out NaN, inf or about ``a``,
+    above max either way.
+
+    This fast loop assumes no element overflows and none is NaN/inf (it tracks the largest
+    result instead of masking): a block where one does is redone by :func:`_cast_block`.
+    Without saturation the error ``deq - |x|`` is exact in float32 (RNE keeps ``deq`` within a
+    factor 2 of ``|x|`` or makes it 0: Sterbenz's lemma), so its float64 square is the general
+    kernel's.
+    """
+    m = xs.size
+    under = np.uint32(0)
+    sub = np.uint32(0)
+    top = np.uint32(0)
+    mn1 = add32(minnorm_bits, _MINUS1)
+    c_min = _f32_bits(csub)
+    c_add = np.uint32(shift << np.uint32(23))
+    for k in range(m):
+        ux = and32(_f32_bits(xs[k]), _MAG)
+        a = np.float32(_bits_f32(ux) * sc)
+        c = _bits_f32(max(add32(and32(_f32_bits(a), _INF_BITS), c_add), c_min))
+        qb = _f32_bits((a + c) - c)
+        top = max(top, qb)
+        under = add32(under, (qb == np.uint32(0)) & (ux != np.uint32(0)))
+        sub = add32(sub, add32(qb, _MINUS1) < mn1)
+        dd = np.float64(np.float32(np.float32(_bits_f32(qb) * si) - _bits_f32(ux)))
+        buf[k] = dd * dd
+    if top > max_bits:  # an overflow, a NaN or an inf
+        return _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf)
+    return np.uint32(0), under, sub, _sum8(buf, m), 0.0
+
+
+def _scan(xs, buf, hist, hsub):
+    """:func:`_scan_block` or, for float32 blocks, :func:`_scan_block_f32` (chosen at compile
+    time, inside numba code only)."""
+    raise NotImplementedError("numba-only dispatcher")
+
+
+def _cast(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf, fast32):
+    """:func:`_cast_block` or, for float32 blocks of a format it takes (``fast32``),
+    :func:`_cast_block_f32` (numba code only)."""
+    raise NotImplementedError("numba-only dispatcher")
+
+
+@overload(_scan)
+def _scan_impl(xs, buf, hist, hsub):
+    kernel = _scan_block_f32 if xs.dtype == types.float32 else _scan_block
+    return lambda xs, buf, hist, hsub: kernel(xs, buf, hist, hsub)
+
+
+@overload(_cast)
+def _cast_impl(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf, fast32):
+    if xs.dtype != types.float32:
+        return lambda xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf, fast32: (
+            _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf)
+        )
+
+    def impl(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf, fast32):
+        if fast32:
+            return _cast_block_f32(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits,
+                                   csub, buf)  # fmt: skip
+        return _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf)
+
+    return impl
+
+
+@jit_serial
+def _tensor_amax(xs):
+    """(max float32 bits of the finite |x|, inf count) of a contiguous range (vectorized)."""
+    mxb = np.uint32(0)
+    inf = 0
+    for k in range(xs.size):
+        ax = abs(np.float64(xs[k]))
+        u = and32(_f32_bits(np.float32(xs[k])), _MAG)
+        mxb = max(mxb, u if ax < np.inf else np.uint32(0))
+        inf += np.int64(ax == np.inf)
+    return mxb, inf
+
+
+@jit_serial
+def _tile_amax(xs):
+    """(max float32 bits of |x| over non-NaN elements (inf included), NaN count) of a tile."""
+    mxb = np.uint32(0)
+    nan = 0
+    for k in range(xs.size):
+        v = np.float64(xs[k])
+        nan += np.int64(v != v)
+        u = and32(_f32_bits(np.float32(v)), _MAG)
+        mxb = max(mxb, u if v == v else np.uint32(0))
+    return mxb, nan
+
+
+@jit_serial
+def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, out):
+    """Pass A over elements [s, e) of the chunk: see :func:`_pass_a`."""
+    mb, inf = _tensor_amax(x[s:e])
+    out[0] = mb
+    out[1] = inf
+    if gran.shape[0] == 0:
+        return
     i = s
     r = (i0 + i) // ncols
     c = (i0 + i) - r * ncols
     while i < e:
         seg = min(ncols - c, e - i)
+        for g in range(gran.shape[0]):
+            R = gran[g, 0]
+            C = gran[g, 1]
+            Gc = gran[g, 2]
+            row_base = local_off[g] + (r // R - gran[g, 3]) * Gc
+            cc = c
+            while cc < c + seg:
+                t = cc // C
+                stop = min((t + 1) * C, c + seg)
+                mb, nn = _tile_amax(x[i + cc - c : i + stop - c])
+                if mb > gamax[row_base + t]:
+                    gamax[row_base + t] = mb
+                gnan[row_base + t] += nn
+                cc = stop
+        i += seg
+        r += 1
+        c = 0
+
+
+@jit_kernel
+def _pass_a_kernel(x, n_parts, i0, ncols, gran, local_off, gamax, gnan, out):
+    per = (x.size + n_parts - 1) // n_parts
+    for p in numba.prange(n_parts):
+        s = min(x.size, p * per)
+        e = min(x.size, s + per)
+        _part_a(x, s, e, i0, ncols, gran, local_off, gamax[p], gnan[p], out[p])
+
+
+def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
+    """The amaxes of one chunk: the tensor's and each tiled granularity's per group.
+
+    x: the chunk (float32/float64), flat C-order elements i0 .. i0+x.size of the (M, ncols) view.
+    gran[g] = (R, C, Gc, first grid row of this chunk); granularity g's local grid starts at
+    local_off[g] in a per-part buffer of n_local entries.
+    Returns per part: tensor (P, 2) = (float32 bits of the max finite |float32(x)|, inf count);
+    gamax (P, n_local) group amax as float32 bits (NaN skipped, inf counted); gnan (P, n_local)
+    NaN counts.
+    """
+    gamax = np.zeros((n_parts, n_local), np.uint32)
+    gnan = np.zeros((n_parts, n_local), np.int64)
+    out = np.zeros((n_parts, 2), np.int64)
+    _run(_pass_a_kernel, x, n_parts, i0, ncols, gran, local_off, gamax, gnan, out)
+    return out, gamax, gnan
+
+
+@jit_serial
+def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, base, sig2, hist, hsub, counts, err2):
+    """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
+    buf = np.empty(_BLOCK, np.float64)
+    for b0 in range(s, e, _BLOCK):
+        b1 = min(e, b0 + _BLOCK)
+        n1, n2, n3, mb, q, qh = _scan(x[b0:b1], buf, hist, hsub)
+        base[0] += n1
+        base[1] += n2
+        base[2] += n3
+        base[3] = max(base[3], np.int64(mb))
+        sig2[0] += q
+        sig2[1] += qh
         for v in range(vint.shape[0]):
             R = vint[v, 0]
             C = vint[v, 1]
@@ -291,51 +450,83 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, counts, err2):
             max_bits = np.uint32(vint[v, 5])
             minnorm_bits = np.uint32(vint[v, 6])
             csub = np.float32(vflt[v, 0])
-            row_base = vint[v, 3] + (r // R - vint[v, 7]) * Gc
-            cc = c
-            while cc < c + seg:
-                t = cc // C
-                stop = min((t + 1) * C, c + seg)
+            whole = vint[v, 8] != 0  # one scale for the whole tensor: no tiles to walk
+            fast32 = vint[v, 9] != 0
+            j = b0
+            r = (i0 + j) // ncols
+            c = (i0 + j) - r * ncols
+            while j < b1:
+                if whole:
+                    t = 0
+                    n_el = b1 - j
+                    row_base = vint[v, 3]
+                else:
+                    t = c // C
+                    n_el = min(min((t + 1) * C, ncols) - c, b1 - j)
+                    row_base = vint[v, 3] + (r // R - vint[v, 7]) * Gc
                 sc = scales[row_base + t]
                 si = sinvs[row_base + t]
-                a0 = i + cc - c
-                a1 = i + stop - c
                 if si != si:  # NaN MX scale: the whole block is NaN
-                    for j in range(a0, a1):
-                        counts[v, 3] += np.int64(abs(np.float64(x[j])) < np.inf)
+                    for k in range(j, j + n_el):
+                        counts[v, 3] += np.int64(abs(np.float64(x[k])) < np.inf)
                 else:
-                    for b0 in range(a0, a1, _BLOCK):
-                        b1 = min(a1, b0 + _BLOCK)
-                        o, u, sb, q, qh = _cast_block(
-                            x[b0:b1], sc, si, shift, half_m1, keep, max_bits, minnorm_bits,
-                            csub, buf,
-                        )  # fmt: skip
-                        counts[v, 0] += o
-                        counts[v, 1] += u
-                        counts[v, 2] += sb
-                        err2[v, 0] += q
-                        err2[v, 1] += qh
-                cc = stop
-        i += seg
-        r += 1
-        c = 0
+                    o, u, sb, q, qh = _cast(
+                        x[j : j + n_el], sc, si, shift, half_m1, keep, max_bits, minnorm_bits,
+                        csub, buf, fast32,
+                    )  # fmt: skip
+                    counts[v, 0] += o
+                    counts[v, 1] += u
+                    counts[v, 2] += sb
+                    err2[v, 0] += q
+                    err2[v, 1] += qh
+                j += n_el
+                c += n_el
+                if c == ncols:
+                    c = 0
+                    r += 1
+
+
+@jit_kernel
+def _pass_b_kernel(x, n_parts, i0, ncols, vint, vflt, scales, sinvs, base, sig2, hist, hsub,
+                   counts, err2):  # fmt: skip
+    per = (x.size + n_parts - 1) // n_parts
+    for p in numba.prange(n_parts):
+        s = min(x.size, p * per)
+        e = min(x.size, s + per)
+        _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, base[p], sig2[p], hist[p],
+                hsub[p], counts[p], err2[p])  # fmt: skip
 
 
 def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts):
-    """Every variant's figures over one chunk (one pass; parts on threads).
+    """The format-independent figures and every variant's figures over one chunk (one read).
 
     vint[v] = (R, C, Gc, scale offset, shift = 23 - mantissa bits, float32 bits of fmt.max,
-    float32 bits of fmt.min_normal, first grid row of the chunk); vflt[v] = (2**(emin - m + 23),
-    fmt.max, fmt.min_normal). scales / sinvs: each variant's scale grid rows that the chunk
-    touches, flat (float32), variant v's from offset vint[v, 3]. Returns per part:
-    counts (P, V, 4) = overflow, underflow, subnormal, lost; err2 (P, V, 2) = sum (deq - x)^2
-    as (low, high) pairs.
+    float32 bits of fmt.min_normal, first grid row of the chunk, 1 if one scale covers the whole
+    tensor, 1 if float32 blocks may take :func:`_cast_block_f32`); vflt[v] = (2**(emin - m + 23), fmt.max, fmt.min_normal). scales / sinvs: each
+    variant's scale grid rows that the chunk touches, flat (float32), variant v's from offset
+    vint[v, 3]. Returns, summed over the parts: base (4,) = nan, inf, zero, float32 bits of
+    the max finite |x|; sig2 (2,) = sum x^2 over finite as a (low, high) pair (see
+    stats._combine); log2 (N_LOG2,) the histogram; counts (V, 4) = overflow, underflow,
+    subnormal, lost; err2 (V, 2) = sum (deq - x)^2 as (low, high) pairs. (Parts are summed in
+    order, so the figures depend only on the part count.)
     """
     nv = vint.shape[0]
+    base = np.zeros((n_parts, 4), np.int64)
+    sig2 = np.zeros((n_parts, 2), np.float64)
+    hist = np.zeros((n_parts, N_HIST_COPIES, 256), np.uint32)
+    hsub = np.zeros((n_parts, N_LOG2), np.int64)
     counts = np.zeros((n_parts, nv, 4), np.int64)
     err2 = np.zeros((n_parts, nv, 2), np.float64)
-    _run_parts(
-        _part_b, x.size, n_parts,
-        lambda p, s, e: (x, s, e, i0, ncols, vint, vflt, scales, sinvs, counts[p], err2[p]),
-    )  # fmt: skip
-    return counts, err2
+    _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs, base, sig2, hist,
+         hsub, counts, err2)  # fmt: skip
+    tot = base.sum(axis=0)
+    tot[3] = base[:, 3].max()
+    nan, inf, zero = int(tot[0]), int(tot[1]), int(tot[2])
+    by_byte = hist.sum(axis=(0, 1), dtype=np.int64)
+    log2 = hsub.sum(axis=0)
+    n_sub = int(log2.sum())
+    # exponent byte b of a normal float32: floor(log2) = b - 127, bin b - 127 - EXPONENT_MIN
+    log2[1 - 127 - EXPONENT_MIN : 255 - 127 - EXPONENT_MIN] += by_byte[1:255]
+    log2[0] += by_byte[0] - zero - n_sub  # nonzero values whose float32 is 0
+    log2[-1] += by_byte[255] - nan - inf  # finite values whose float32 is inf
+    return tot, sig2.sum(axis=0), log2, counts.sum(axis=0), err2.sum(axis=0)

@@ -67,10 +67,23 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(ts)
 
 
+def interleaved_times(fns, repeat: int) -> list[float]:
+    """Median seconds of each function, the functions run in turn within every repetition."""
+    for fn in fns:
+        fn()  # warm-up (numba compile, first page faults)
+    ts: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for k, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in ts]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=1 << 24, help="elements (float32)")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--threads", type=int, default=None, help="numba threads (default: all)")
     args = ap.parse_args()
     if args.threads:
@@ -90,10 +103,13 @@ def main() -> None:
         assert (v.overflow, v.underflow, v.subnormal) == (r["overflow"], r["underflow"], r["subnormal"])
         assert abs(v.err2 / r["err2"] - 1) < 1e-9
 
-    t_ours = median_time(lambda: tensor_stats(x, variants), args.repeat)
-    t_np = median_time(lambda: numpy_stats(x, fmts), max(1, args.repeat // 2))
+    # ours and the copy in turn within every repetition (the same machine state for both: this
+    # machine is shared and noisy); the slow numpy implementation on its own
     dst = np.empty_like(x)
-    t_copy = median_time(lambda: np.copyto(dst, x), args.repeat)
+    t_ours, t_copy = interleaved_times(
+        [lambda: tensor_stats(x, variants), lambda: np.copyto(dst, x)], args.repeat
+    )
+    t_np = median_time(lambda: numpy_stats(x, fmts), max(1, args.repeat // 2))
     import numba
 
     rate = lambda t: args.n / t / 1e9  # noqa: E731

@@ -177,3 +177,80 @@ def test_table_never_shows_exact_for_an_undefined_sqnr():
     undefined = format_table([{**base, "sqnr_db": None, "rel_mse": None}]).splitlines()[-1]
     exact = format_table([{**base, "sqnr_db": None, "rel_mse": 0.0}]).splitlines()[-1]
     assert not undefined.endswith("exact") and exact.endswith("exact")
+
+
+def _awkward_float32(rng, n):
+    """Values spread over float32's whole range: zeros, subnormals, NaN, +-inf, huge values that
+    overflow every format unscaled, scattered so that some blocks and parts hold them and most
+    do not."""
+    x = (rng.standard_normal(n) * np.exp2(rng.integers(-40, 30, n))).astype(np.float32)
+    for value, count in ((0.0, 300), (np.nan, 7), (np.inf, 3), (-np.inf, 2), (3e38, 2)):
+        x[rng.integers(0, n, count)] = value
+    x[rng.integers(0, n, 50)] = np.float32(2.0**-140) * rng.integers(1, 1000, 50)  # subnormals
+    return x
+
+
+def _figures(st):
+    return (
+        (st.nan, st.inf, st.zero, st.amax, st.sig2, st.log2_counts.tolist()),
+        [(v.overflow, v.underflow, v.subnormal, v.lost, v.err2, v.scale) for v in st.variants],
+    )
+
+
+def test_float32_kernels_equal_the_general_kernels_bit_for_bit():
+    # float32 input takes the 32-bit kernels (the error in float32, a block with an overflow,
+    # NaN or inf redone); the same values as float64 take the general float64 kernels. Same
+    # figures, sums included, to the last bit.
+    rng = np.random.default_rng(11)
+    x = _awkward_float32(rng, 300_000).reshape(600, 500)  # several parts and thread chunks
+    x[5] = rng.standard_normal(500) * 2e37  # near bf16's max: bf16 takes the general kernel
+    vs = parse_variants(["e4m3", "e5m2", "e2m1", "bf16"], ["none", "tensor", "row", "block:1x128", "mx"])
+    a = tensor_stats(x, vs)
+    b = tensor_stats(x.astype(np.float64), vs)
+    assert _figures(a) == _figures(b)
+    assert a.variants[0].overflow > 0 and a.variants[0].underflow > 0 and a.variants[0].subnormal > 0
+
+
+def test_large_float32_figures_equal_the_emulator():
+    # more than one part per chunk (threads), blocks with and without NaN/inf/zeros/subnormals
+    rng = np.random.default_rng(12)
+    x = _awkward_float32(rng, 200_000)
+    x[:500] = rng.standard_normal(500) * 2e37  # near bf16's max
+    vs = parse_variants(["e4m3", "e5m2", "bf16"], ["none", "tensor"])
+    st = tensor_stats(x, vs, chunk=150_000)
+    x64 = x.astype(np.float64)
+    fin = np.isfinite(x64)
+    assert (st.inf, st.zero) == (int(np.isinf(x).sum()), int((x == 0).sum()))
+    assert st.sig2 == pytest.approx(math.fsum((x64[fin] ** 2).tolist()), rel=1e-12)
+    for v, r in zip(vs, st.variants):
+        ref = reference(x, v.fmt.name, v.scaling)
+        assert (r.overflow, r.underflow, r.subnormal) == (ref["overflow"], ref["underflow"], ref["subnormal"])
+        assert r.err2 == pytest.approx(ref["err2"], rel=1e-12)
+
+
+def test_log2_histogram_of_awkward_values_matches_numpy():
+    rng = np.random.default_rng(13)
+    x = _awkward_float32(rng, 150_000)
+    st = tensor_stats(x, parse_variants(["e4m3"], ["none"]), chunk=70_000)
+    a = np.abs(x[np.isfinite(x) & (x != 0)]).astype(np.float64)
+    _, e = np.frexp(a)  # a = m * 2**e, 0.5 <= m < 1: floor(log2 a) = e - 1, subnormals too
+    want = np.bincount(e - 1 - LOG2_EXPONENTS[0], minlength=LOG2_EXPONENTS.size)
+    assert st.log2_counts.tolist() == want.tolist()
+    assert st.nan == int(np.isnan(x).sum()) and st.inf == int(np.isinf(x).sum())
+
+
+def test_figures_do_not_depend_on_the_thread_count():
+    import numba
+
+    rng = np.random.default_rng(14)
+    x = _awkward_float32(rng, 400_000)
+    vs = parse_variants(["e4m3", "e5m2"], ["tensor", "block:1x32"])
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = tensor_stats(x, vs)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        many = tensor_stats(x, vs)
+    finally:
+        numba.set_num_threads(before)
+    assert _figures(one) == _figures(many)
