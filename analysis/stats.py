@@ -23,13 +23,14 @@ granularity's per-group amax -- a just-in-time scale needs them before the first
 one numba pass computing everything else: the format-independent figures (NaN/inf/zero counts,
 amax, sum x^2, the log2|x| histogram) and every variant's figures, block by block, so the data is
 read from memory once and each variant's cast reads the block from L1. Inside a pass, a chunk is
-split into parts, one per numba thread (``prange``), each part into L1-sized blocks whose loops
-are branch-free so LLVM vectorizes them; the cast works on float32 bit patterns in 32-bit lanes
-(RNE as an integer add in the normal range, a float32 add of a constant at the subnormal quantum).
+split into parts (by size) that the numba threads take in turn (``prange``), each part into
+L1-sized blocks whose loops are branch-free so LLVM vectorizes them; the cast works on float32
+bit patterns in 32-bit lanes (RNE as an integer or FPU add at the quantum; see :mod:`analysis.stats_kernels`).
 
 Counts are exact (tests compare them with ``quantize_scaled`` + ``dequantize``); the two sums are
-float64 accumulations in a fixed order (blocks of eight interleaved partial sums), equal to the
-exactly rounded sum to ~1e-12 relative.
+float64 accumulations in a fixed order (pairwise within blocks of 1024 elements, then block by
+block and part by part), equal to the exactly rounded sum to ~1e-12 relative, and independent of
+the thread count.
 """
 
 from __future__ import annotations
@@ -399,6 +400,8 @@ def tensor_stats(
         e2 = _combine(verr[k])
         if e_m == 0.0:
             sqnr, rel = math.inf, 0.0
+        elif math.isinf(e_m):  # a dequantized value overflowed float32 (scale_inv near its max)
+            sqnr, rel = -math.inf, math.inf
         elif s_m > 0:
             sqnr = 10.0 * (math.log10(s_m / e_m) + (s_e - e_e) * math.log10(2.0))
             try:

@@ -6,11 +6,13 @@ format-independent figures (NaN/inf/zero counts, amax, sum x^2, the log2|x| hist
 every variant's cast figures -- block by block, so each L1-sized block is loaded from memory once
 and every variant's cast reads it from L1.
 
-Each pass splits a chunk into parts, one per numba thread (``prange`` over the parts: each part
-writes only its own outputs, so the figures do not depend on thread timing), each part into
-blocks of ``_BLOCK`` elements with branch-free loops that LLVM vectorizes. The cast works on
-float32 bit patterns in 32-bit integer lanes (:func:`fp8sim._bitcast.add32` and friends: numba
-would widen uint32 arithmetic to 64 bits and halve the lanes).
+Each pass splits a chunk into parts whose number depends on the chunk's size only (``prange``
+over the parts, taken by the threads one at a time; each part writes only its own outputs, summed
+in part order, so the figures depend neither on thread timing nor on the thread count), each part
+into blocks of ``_BLOCK`` elements with branch-free loops that LLVM vectorizes. Float32 input
+takes kernels in 32-bit integer lanes (:func:`fp8sim._bitcast.add32` and friends: numba would
+widen uint32 arithmetic to 64 bits and halve the lanes); float64 input the general kernels. Both
+give the same figures on the same values, to the last bit (tested).
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from fp8sim._bitcast import add32, and32, shr32
-from fp8sim._bitcast import bits_f32 as _bits_f32
-from fp8sim._bitcast import f32_bits as _f32_bits
 from numba.core import types
 from numba.extending import overload
 
+from fp8sim._bitcast import add32, and32, shr32
+from fp8sim._bitcast import bits_f32 as _bits_f32
+from fp8sim._bitcast import f32_bits as _f32_bits
 from fp8sim._jit import jit_kernel, jit_serial
 from fp8sim.abs_histogram import EXPONENT_MAX, EXPONENT_MIN
 
@@ -63,7 +65,7 @@ _HIGH_EXP = 1080
 
 
 @jit_serial
-def _sum8(buf, m):
+def _pairwise_sum(buf, m):
     """Pairwise sum of buf[:m] (a fixed order: deterministic), overwriting buf: each level adds
     the upper half onto the lower half elementwise (a loop LLVM vectorizes, where an ordered
     sum would run one scalar add at a time), down to 16 values summed in order."""
@@ -162,7 +164,7 @@ def _scan_block(xs, buf, hist, hsub):
                     u >>= np.uint32(1)
                     e += 1
                 hsub[e - EXPONENT_MIN] += 1
-    return nan, inf, zero, mxb, _sum8(buf, m), sqh
+    return nan, inf, zero, mxb, _pairwise_sum(buf, m), sqh
 
 
 @jit_serial
@@ -173,8 +175,9 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
     integer add ``(u + 2**(shift-1) - 1 + lsb) & keep`` (a carry moves into the exponent as it
     should); below ``min_normal`` the quantum is fixed and ``(a + csub) - csub`` rounds to it in
     float32 (csub = 2**(emin - m + 23)). Overflow: the rounded bits exceed max's bits (an inf
-    product too). Branch-free so LLVM vectorizes it. Returns (overflow, underflow, subnormal,
-    sum of (deq - x)^2 low, high) over the finite elements.
+    product too). Branch-free so LLVM vectorizes it. Leaves ``(deq - x)^2`` of each element in
+    ``buf[:m]`` (0 for NaN/inf inputs; the caller sums a whole block at once) and returns
+    (overflow, underflow, subnormal, the "high" sum of squares too large for float64).
     """
     m = xs.size
     over = np.uint32(0)
@@ -213,7 +216,7 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
             if d >= _BIG:
                 w = d * _DOWN
                 qh += w * w
-    return over, under, sub, _sum8(buf, m), qh
+    return over, under, sub, qh
 
 
 # ------------------------------------------------------------------------------------------
@@ -265,7 +268,7 @@ def _scan_block_f32(xs, buf, hist, hsub):
                         u >>= np.uint32(1)
                         e += 1
                     hsub[e - EXPONENT_MIN] += 1
-    return nan, n_high - nan, zero, mxb, _sum8(buf, m), 0.0
+    return nan, n_high - nan, zero, mxb, _pairwise_sum(buf, m), 0.0
 
 
 @jit_serial
@@ -306,7 +309,7 @@ def _cast_block_f32(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, cs
         buf[k] = dd * dd
     if top > max_bits:  # an overflow, a NaN or an inf
         return _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf)
-    return np.uint32(0), under, sub, _sum8(buf, m), 0.0
+    return np.uint32(0), under, sub, 0.0
 
 
 def _scan(xs, buf, hist, hsub):
@@ -469,21 +472,24 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, base, sig2, hist, hsu
                 if si != si:  # NaN MX scale: the whole block is NaN
                     for k in range(j, j + n_el):
                         counts[v, 3] += np.int64(abs(np.float64(x[k])) < np.inf)
+                        buf[k - b0] = 0.0
                 else:
-                    o, u, sb, q, qh = _cast(
+                    o, u, sb, qh = _cast(
                         x[j : j + n_el], sc, si, shift, half_m1, keep, max_bits, minnorm_bits,
-                        csub, buf, fast32,
+                        csub, buf[j - b0 : j - b0 + n_el], fast32,
                     )  # fmt: skip
                     counts[v, 0] += o
                     counts[v, 1] += u
                     counts[v, 2] += sb
-                    err2[v, 0] += q
                     err2[v, 1] += qh
                 j += n_el
                 c += n_el
                 if c == ncols:
                     c = 0
                     r += 1
+            # the block's squared errors, whatever its tiles: one pairwise sum (a column tile of
+            # one element per row would otherwise add them one by one)
+            err2[v, 0] += _pairwise_sum(buf, b1 - b0)
 
 
 @jit_kernel

@@ -173,8 +173,9 @@ def _as_float32(x: Any) -> np.ndarray:
 def _tile_stats(x2d: np.ndarray, gran: Granularity) -> tuple[np.ndarray, np.ndarray]:
     """Per tile: (max |x| over the non-NaN elements, float32; NaN count, int64), grid2d shape.
 
-    ``np.fmax.reduceat`` over the tile starts: ragged last tiles are just shorter, nothing is
-    padded or read out of bounds. A tile of only NaNs (or an empty tensor) has amax 0 here.
+    ``np.maximum.reduceat`` over the tile starts (NaNs replaced by 0 first): ragged last tiles
+    are just shorter, nothing is padded or read out of bounds. A tile of only NaNs (or an empty
+    tensor) has amax 0 here.
     """
     m, n = x2d.shape
     r, c = gran.tile(m, n)
@@ -183,12 +184,16 @@ def _tile_stats(x2d: np.ndarray, gran: Granularity) -> tuple[np.ndarray, np.ndar
         return np.zeros(grid, np.float32), np.zeros(grid, np.int64)
     rows, cols = np.arange(0, m, r), np.arange(0, n, c)
     mag = np.abs(x2d)
-    amax = np.fmax.reduceat(np.fmax.reduceat(mag, cols, axis=1), rows, axis=0)
     isnan = np.isnan(x2d)
     if isnan.any():
+        # NaNs out before the max: numpy's fmax/nanmax skip quiet NaNs but may drop other
+        # values next to a signalling NaN (found with random bit patterns)
+        mag = np.where(isnan, np.float32(0), mag)
         nans = np.add.reduceat(np.add.reduceat(isnan.astype(np.int64), cols, axis=1), rows, axis=0)
-        amax = np.where(np.isnan(amax), np.float32(0), amax)
     else:
+        nans = None
+    amax = np.maximum.reduceat(np.maximum.reduceat(mag, cols, axis=1), rows, axis=0)
+    if nans is None:
         nans = np.zeros(amax.shape, np.int64)
     return amax.astype(np.float32, copy=False), nans
 

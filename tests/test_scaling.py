@@ -133,6 +133,19 @@ def test_amax_nan_propagates_unless_ignored():
     assert compute_amax(np.full((2, 2), np.nan, np.float32), "tensor", ignore_nan=True) == 0
 
 
+def test_amax_ignoring_signalling_nans_matches_integer_max():
+    # random bit patterns, signalling NaNs among them (numpy's fmax/nanmax can drop the values
+    # next to one); the reference orders magnitudes by their bit patterns, no float compare
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 2**32, (64, 8), dtype=np.uint64).astype(np.uint32)
+    bits[:, 3] = 0x7F800001 + rng.integers(0, 0x3FFFFF, 64).astype(np.uint32)  # sNaN payloads
+    x = bits.view(np.float32)
+    mag = bits & np.uint32(0x7FFFFFFF)
+    want = np.where(mag > 0x7F800000, np.uint32(0), mag).max(axis=1).view(np.float32)
+    got = compute_amax(x, "row", ignore_nan=True)[:, 0]
+    np.testing.assert_array_equal(got, want)
+
+
 def test_amax_inf_is_an_amax():
     x = np.array([[1.0, -np.inf], [2.0, 3.0]], np.float32)
     np.testing.assert_array_equal(compute_amax(x, "row")[:, 0], [np.inf, 3.0])
