@@ -5,7 +5,8 @@
 Rows: float32 -> e4m3 / e5m2 encode (rne, saturating), the e4m3 encode again into a preallocated
 ``out=`` (against torch's ``copy_`` into a preallocated float8 tensor: neither side pays for the
 zeroed pages of a fresh 64 MiB result), decode e4m3 -> float32, float64 -> e4m3 encode,
-stochastic encode (Philox). Columns: time of each contender (median of --reps runs after
+stochastic encode (Philox), and a floor: reading the float32 input once (a parallel max over its
+bits, no output) against torch's ``.to()`` -- no encode of that input can beat that ratio. Columns: time of each contender (median of --reps runs after
 a warm-up; the emulator, its contenders and the copy run in turn within every repetition, so all
 meet the same machine state) and the emulator's speed relative to it (> 1 means the emulator is faster).
 Contenders: torch's CPU cast (``.to(torch.float8_e4m3fn)`` / ``.to(torch.float32)``), ml_dtypes
@@ -23,6 +24,20 @@ import statistics
 import time
 
 import numpy as np
+
+
+def _read_once_kernel():
+    """A numba kernel that reads every element once (a max over the uint32 bits, parallel)."""
+    import numba
+
+    @numba.njit(parallel=True, nogil=True, cache=False)
+    def read_once(bits):
+        top = np.uint32(0)
+        for i in numba.prange(bits.size):
+            top = max(top, bits[i])
+        return top
+
+    return read_once
 
 
 def _median_time(fn, reps: int) -> float:
@@ -100,6 +115,9 @@ def main() -> None:
     row("f64->e4m3 rne sat", {"emu": lambda: fp8sim.encode(x64, "e4m3"),
                               "torch": lambda: torch.from_numpy(x64).to(torch.float8_e4m3fn)})
     row("f32->e4m3 stochastic", {"emu": lambda: fp8sim.encode(x32, "e4m3", rounding="stochastic", seed=1)})
+    read_once = _read_once_kernel()
+    row("floor: read the f32 input once", {"emu": lambda: read_once(x32.view(np.uint32)),
+                                           "torch": lambda: t32.to(torch.float8_e4m3fn)})
 
     names = ["torch", "ml_dtypes", "numpy copy"]
     header = ["operation", "emulator ms"] + [f"{c} ms" for c in names] + [

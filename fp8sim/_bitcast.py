@@ -73,6 +73,9 @@ def _u32_binop(op_name: str, doc: str):
 
 
 add32 = _u32_binop("add", "``(a + b) mod 2**32`` (uint32; a bool counts as 0/1).")
+sub32 = _u32_binop("sub", "``(a - b) mod 2**32`` (uint32).")
 and32 = _u32_binop("and_", "``a & b`` in 32 bits (uint32).")
+or32 = _u32_binop("or_", "``a | b`` in 32 bits (uint32).")
 shr32 = _u32_binop("lshr", "``a >> b``, logical, in 32 bits (uint32; b < 32).")
-__all__ += ["add32", "and32", "shr32"]
+shl32 = _u32_binop("shl", "``(a << b) mod 2**32`` (uint32; b < 32).")
+__all__ += ["add32", "sub32", "and32", "or32", "shr32", "shl32"]

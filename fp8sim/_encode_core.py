@@ -35,6 +35,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
+from fp8sim._bitcast import add32, and32, bits_f32, f32_bits, or32, shl32, shr32, sub32
 from fp8sim._jit import jit_kernel, jit_scalar, serial_twin
 from fp8sim.philox import randint_scalar
 
@@ -483,9 +484,66 @@ def encode_f32_rne_kernel(xbits, out, shift, adj, minnorm_bits, emin_b, max_code
         out[i] = _rne_code_u32(xbits[i], sh, half_m1, adj32, mn, base, mx, ov, nc, knan, sb)
 
 
+_MAG32 = np.uint32(0x7FFFFFFF)
+_INF32 = np.uint32(0x7F800000)
+
+
+def fpu_rne_ok(emin: int, emax: int, mantissa_bits: int) -> bool:
+    """Whether :func:`encode_f32_rne_fpu_kernel` serves a format: every float32 subnormal input
+    rounds to 0 (``min_subnormal / 2 >= 2**-126``, so the CPU's denormals-are-zero mode cannot
+    change a code) and the rounding constant stays a float32 up to max (``emax + 23 - m <=
+    127``). All 8-bit formats and fp16; not bf16 or the e8mY formats."""
+    return emin - mantissa_bits - 1 >= -126 and emax + 23 - mantissa_bits <= 127
+
+
+@jit_kernel
+def encode_f32_rne_fpu_kernel(x, out, shift, adj, minnorm_bits, csub, max_code, over_code, nan_code,
+                              fnuz, mag_bits):
+    """Round to nearest even from float32 with one FPU add: the codes of
+    :func:`encode_f32_rne_kernel` for the formats :func:`fpu_rne_ok` admits, in about half the
+    operations.
+
+    With ``a = |x|`` in binade ``e`` and ``m = 23 - shift`` mantissa bits, ``C`` is the power of
+    two whose float32 ulp is the format's quantum at ``a``: ``2**(e + 23 - m)``, at least
+    ``csub = 2**(emin - m + 23)`` (the fixed quantum of the subnormal range). ``r = (a + C) - C``
+    is ``a`` rounded to nearest even at that quantum by the FPU (the default rounding mode; a
+    carry into the next binade included), exact in float32. The code of a normal ``r`` is
+    ``(bits(r) >> shift) - adj`` as in the integer kernel; of a subnormal ``r = k * 2**(emin -
+    m)`` it is ``k = bits(r + csub) - bits(csub)`` (``csub``'s ulp is that quantum). No float32
+    subnormal is read or made for these formats, so denormals-are-zero / flush-to-zero modes do
+    not matter. Huge ``a`` (``C`` beyond float32: its bits wrap) gives ``r`` = inf, NaN or about
+    ``a``, a code above max either way; then overflow, NaN and sign as in
+    :func:`encode_f32_rne_kernel`. 32-bit lanes throughout (:mod:`fp8sim._bitcast`).
+    """
+    sh = np.uint32(shift)
+    adj32 = np.uint32(adj)
+    mn = np.uint32(minnorm_bits)
+    c_min = f32_bits(csub)
+    c_add = shl32(sh, np.uint32(23))
+    mx = np.uint32(max_code)
+    ov = np.uint32(over_code)
+    nc = np.uint32(nan_code)
+    knan = np.uint32(0) if fnuz else np.uint32(1)
+    sb = np.uint32(mag_bits)
+    for i in numba.prange(x.size):
+        u = f32_bits(x[i])
+        ab = and32(u, _MAG32)
+        a = bits_f32(ab)
+        c = bits_f32(max(add32(and32(ab, _INF32), c_add), c_min))
+        r = (a + c) - c
+        rb = f32_bits(r)
+        code = sub32(shr32(rb, sh), adj32) if rb >= mn else sub32(f32_bits(r + csub), c_min)
+        code = ov if code > mx else code
+        is_nan = ab > _INF32
+        code = nc if is_nan else code
+        keep = knan if (is_nan | (code == np.uint32(0))) else np.uint32(1)
+        out[i] = or32(code, shl32(and32(shr32(u, np.uint32(31)), keep), sb))
+
+
 # serial twins for small arrays (see fp8sim._jit.PARALLEL_MIN_ELEMENTS)
 encode_fast_kernel_serial = serial_twin(encode_fast_kernel)
 encode_f32_rne_kernel_serial = serial_twin(encode_f32_rne_kernel)
+encode_f32_rne_fpu_kernel_serial = serial_twin(encode_f32_rne_fpu_kernel)
 encode_f32_kernel_serial = serial_twin(encode_f32_kernel)
 encode_f64_kernel_serial = serial_twin(encode_f64_kernel)
 decode_kernel_serial = serial_twin(decode_kernel)

@@ -226,9 +226,11 @@ def _encode_numpy(
     seed: int | None,
     allow_fast: bool = True,
     out: np.ndarray | None = None,
+    fpu: bool = True,
 ) -> np.ndarray:
-    """Encode a float32/float64 array. ``allow_fast=False`` forces the general kernels (the
-    tests run both kernels on the same inputs). ``out``: a checked destination (see
+    """Encode a float32/float64 array. ``allow_fast=False`` forces the general kernels,
+    ``fpu=False`` the integer float32 RNE kernel where the FPU one would serve (the tests run
+    every kernel on the same inputs). ``out``: a checked destination (see
     :func:`_check_out`), written in place and returned."""
     if not isinstance(saturate, (bool, np.bool_)):
         raise TypeError(f"saturate must be True or False, got {saturate!r}")
@@ -243,9 +245,15 @@ def _encode_numpy(
     big = flat.size >= PARALLEL_MIN_ELEMENTS
     if allow_fast and _fast_path_ok(fmt, flat.dtype) and flat.dtype == np.float32 and mode == ROUNDING_IDS["rne"] \
             and fmt.mantissa_bits <= 22:
-        # round to nearest even from float32: the 32-bit-lane kernel
+        # round to nearest even from float32: the 32-bit-lane kernels (one FPU add where the
+        # format allows it, else integer operations only)
         m, emin_b = fmt.mantissa_bits, fmt.emin + 127
         over = fmt.max_code if saturate else (fmt.inf_code if fmt.has_inf else fmt.nan_code)
+        if fpu and core.fpu_rne_ok(fmt.emin, fmt.emax, m):
+            kernel = core.encode_f32_rne_fpu_kernel if big else core.encode_f32_rne_fpu_kernel_serial
+            kernel(flat, out, 23 - m, (emin_b - 1) << m, emin_b << 23, np.float32(2.0 ** (fmt.emin - m + 23)),
+                   fmt.max_code, over, fmt.nan_code, fmt.nan == "fnuz", fmt.magnitude_bits)
+            return out.reshape(shape)
         kernel = core.encode_f32_rne_kernel if big else core.encode_f32_rne_kernel_serial
         kernel(flat.view(np.uint32), out, 23 - m, (emin_b - 1) << m, emin_b << 23, emin_b,
                fmt.max_code, over, fmt.nan_code, fmt.nan == "fnuz", fmt.magnitude_bits)

@@ -175,19 +175,26 @@ def test_torch_and_ml_dtypes_overflow_rules_differ_as_documented():
     assert fp8sim.encode(x, "e4m3", saturate=False)[0] == 0x7F
 
 
-def test_float32_rne_lane_kernel_equals_the_general_kernel(sweep32):
-    """float32 round-to-nearest-even runs a 32-bit-lane kernel of its own: on the 17.5 M-input
-    float32 sweep it gives the general kernel's codes for every format it serves, both overflow
-    rules (the 16-bit exhaustive test above holds it to the reference too)."""
+def test_float32_rne_lane_kernels_equal_the_general_kernel(sweep32):
+    """float32 round-to-nearest-even runs 32-bit-lane kernels of its own (one FPU add where the
+    format allows, integer operations only otherwise): on the 17.5 M-input float32 sweep both
+    give the general kernel's codes for every format they serve, both overflow rules (the 16-bit
+    exhaustive test above holds them to the reference too)."""
+    from fp8sim._encode_core import fpu_rne_ok
+
     served = [n for n in ALL_FORMATS if emulator._fast_path_ok(fp8sim.get_format(n), np.dtype(np.float32))]
     assert {"e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "fp16", "bf16"} <= set(served)
+    fpu = {n for n in served if fpu_rne_ok(fp8sim.get_format(n).emin, fp8sim.get_format(n).emax,
+                                           fp8sim.get_format(n).mantissa_bits)}  # fmt: skip
+    assert {"e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "fp16"} <= fpu and "bf16" not in fpu
     for name in served:
         fmt = fp8sim.get_format(name)
         for sat in (True, False):
-            fast = emulator._encode_numpy(sweep32, fmt, "rne", sat, None, None, None)
             general = emulator._encode_numpy(sweep32, fmt, "rne", sat, None, None, None, allow_fast=False)
-            bad = np.flatnonzero(fast != general)
-            assert bad.size == 0, f"{name} sat={sat}: {bad.size} differ, first {sweep32[bad[0]]!r}"
+            for use_fpu in (True, False) if name in fpu else (False,):
+                fast = emulator._encode_numpy(sweep32, fmt, "rne", sat, None, None, None, fpu=use_fpu)
+                bad = np.flatnonzero(fast != general)
+                assert bad.size == 0, f"{name} sat={sat} fpu={use_fpu}: {bad.size} differ, first {sweep32[bad[0]]!r}"
 
 
 @pytest.mark.parametrize("name", ["e4m3", "e5m2", "e2m1", "e8m0"])
@@ -223,7 +230,7 @@ def test_float32_rne_kernel_ignores_denormals_are_zero(sweep32):
                            np.array([1e-40, -3e-39, 1.4e-45, -1.17e-38], np.float32)])
     assert (np.abs(tiny[np.isfinite(tiny)]) < np.finfo(np.float32).tiny).sum() > 1000
     want = {n: encode_reference(tiny, fp8sim.get_format(n), rounding="rne", saturate=True)
-            for n in ("bf16", "e8m3", "e8m5")}
+            for n in ("bf16", "e8m3", "e8m5", "e4m3", "e5m2", "fp16")}  # the last three: FPU kernel
     assert torch.set_flush_denormal(True)
     try:
         for n, ref in want.items():
