@@ -511,9 +511,14 @@ def encode_f32_rne_fpu_kernel(x, out, shift, adj, minnorm_bits, csub, max_code, 
     ``(bits(r) >> shift) - adj`` as in the integer kernel; of a subnormal ``r = k * 2**(emin -
     m)`` it is ``k = bits(r + csub) - bits(csub)`` (``csub``'s ulp is that quantum). No float32
     subnormal is read or made for these formats, so denormals-are-zero / flush-to-zero modes do
-    not matter. Huge ``a`` (``C`` beyond float32: its bits wrap) gives ``r`` = inf, NaN or about
-    ``a``, a code above max either way; then overflow, NaN and sign as in
-    :func:`encode_f32_rne_kernel`. 32-bit lanes throughout (:mod:`fp8sim._bitcast`).
+    not matter. Huge ``a`` (``C``'s exponent beyond float32: the 32-bit add carries into the sign
+    bit, so ``C`` is negative) gives ``r`` = inf, NaN or about ``a``, a code
+    above max either way; then overflow, NaN and sign as in :func:`encode_f32_rne_kernel`. 32-bit
+    lanes throughout (:mod:`fp8sim._bitcast`).
+
+    Assumes the FPU's default round-to-nearest-even mode (as numpy, torch and every Python
+    process run): under ``fesetround`` toward zero or upward the two adds round differently and
+    the codes change. :func:`encode_f32_rne_kernel` (integer only) does not depend on it.
     """
     sh = np.uint32(shift)
     adj32 = np.uint32(adj)
