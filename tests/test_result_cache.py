@@ -1,0 +1,128 @@
+"""The result cache reuses a block only when nothing refers to it (fp8sim.result_cache)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import fp8sim
+from fp8sim import result_cache
+
+N = 1 << 23  # 8 MiB of e4m3 codes: above result_cache.MIN_BYTES
+
+
+def _addr(a) -> int:
+    return np.asarray(a).__array_interface__["data"][0]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    old = result_cache.limit()
+    result_cache.set_limit(256 << 20)
+    result_cache.clear()
+    yield
+    result_cache.set_limit(old)
+    result_cache.clear()
+
+
+def _cached(a) -> bool:
+    """Whether a's memory is one of the cache's blocks."""
+    return any(np.shares_memory(np.asarray(a), b) for b in list(result_cache._blocks))
+
+
+def _data(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(N).astype(np.float32)
+
+
+def test_a_dropped_result_is_reused_and_rewritten():
+    x1, x2 = _data(1), _data(2)
+    first = fp8sim.encode(x1, "e4m3")
+    a1 = _addr(first)
+    del first
+    second = fp8sim.encode(x2, "e4m3")
+    assert _addr(second) == a1 and _cached(second)  # the same memory again
+    # every code rewritten: equal to a cast into fresh memory
+    assert np.array_equal(second, fp8sim.encode(x2, "e4m3", out=np.empty(N, np.uint8)))
+
+
+@pytest.mark.parametrize("keep", ["slice", "reshape", "view", "torch", "memoryview"])
+def test_no_reuse_while_any_view_lives(keep):
+    x1, x2 = _data(3), _data(4)
+    first = fp8sim.encode(x1, "e4m3")
+    expect = first.copy()
+    if keep == "slice":
+        held = first[5:]
+    elif keep == "reshape":
+        held = first.reshape(2, -1)
+    elif keep == "view":
+        held = first.view(np.int8)
+    elif keep == "torch":
+        torch = pytest.importorskip("torch")
+        held = torch.from_numpy(first)
+    else:
+        held = memoryview(first)
+    a1 = _addr(first)
+    del first
+    second = fp8sim.encode(x2, "e4m3")
+    assert _addr(second) != a1
+    flat = np.asarray(held).view(np.uint8).reshape(-1)
+    assert np.array_equal(flat, expect.view(np.uint8)[-flat.size:])  # untouched
+
+
+def test_decode_results_are_cached_too_and_limit_zero_disables():
+    codes = fp8sim.encode(_data(5), "e4m3")
+    v = fp8sim.decode(codes, "e4m3")
+    a = _addr(v)
+    del v
+    w = fp8sim.decode(codes, "e4m3")
+    assert _addr(w) == a
+    del w
+    assert result_cache.free_bytes() >= 4 * N
+    result_cache.set_limit(0)
+    assert result_cache.free_bytes() == 0
+    u1 = fp8sim.decode(codes, "e4m3")
+    assert not _cached(u1)  # a plain np.empty result
+    with pytest.raises(ValueError, match=">= 0"):
+        result_cache.set_limit(-1)
+
+
+def test_free_blocks_stay_within_the_limit():
+    result_cache.set_limit(3 * N)  # room for three free 8 MiB blocks, not four
+    keep = [fp8sim.encode(_data(k), "e4m3") for k in range(5)]
+    del keep
+    assert result_cache.free_bytes() == 5 * N  # all five just freed (trimmed at the next call)
+    r = fp8sim.encode(_data(9), "e4m3")  # reuses one, then trims the free ones to the limit
+    assert result_cache.free_bytes() <= 3 * N
+    assert r.nbytes == N
+
+
+def test_small_results_are_not_cached():
+    r = fp8sim.encode(np.ones(1000, np.float32), "e4m3")
+    assert not _cached(r)
+
+
+def test_concurrent_encodes_get_their_own_memory():
+    xs = [_data(10 + k) for k in range(4)]
+    expect = [fp8sim.encode(x, "e4m3", out=np.empty(N, np.uint8)) for x in xs]
+    got: list = [None] * 4
+
+    def work(k):
+        for _ in range(3):
+            got[k] = fp8sim.encode(xs[k], "e4m3")
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len({_addr(g) for g in got}) == 4
+    for g, e in zip(got, expect):
+        assert np.array_equal(g, e)
+
+
+def test_bad_environment_value_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("FP8SIM_RESULT_CACHE_MB", "lots")
+    with pytest.raises(ValueError, match="FP8SIM_RESULT_CACHE_MB must be a number"):
+        result_cache._limit_from_env()
