@@ -22,7 +22,7 @@ Semantics (the contract in DESIGN.md):
 * Results of 4 MiB or more are drawn from :mod:`fp8sim.result_cache`: the memory of an earlier
   result that nothing refers to any more is reused, so a repeated cast does not pay the page
   faults of fresh memory (``FP8SIM_RESULT_CACHE_MB=0`` turns that off). A result is an ordinary
-  numpy array (its ``base`` is the cached block); ``out=`` avoids the allocation altogether.
+  numpy array (its memory is leased from the cache); ``out=`` avoids the allocation altogether.
 """
 
 from __future__ import annotations

@@ -7,25 +7,30 @@ float32 input itself (measured in ``benchmarks/bench_emulator.py``: the e4m3 enc
 elements into a preallocated ``out=`` takes about half the time of the allocating one). A
 training step or an analysis loop casts tensors of the same sizes again and again; this module
 keeps the blocks behind large results (:data:`MIN_BYTES` or more) and hands a block out again
-once nothing refers to it any more.
+once nothing refers to its previous result any more.
 
-Safety rule: a block is reused only when the cache holds the only reference to it. Every numpy
-view of a result (slices, reshapes, ``.view``, ``torch.from_numpy``, memoryviews) references the
-block (numpy keeps the memory's owner as ``base``), so a block is never handed out while any
-of them lives. (Raw addresses taken without a reference, e.g. ``arr.ctypes.data`` kept after
-``arr`` is gone, are outside that rule, as they are for any allocator.)
+How a block comes back: each result's memory is owned by its own small *lease* object (the
+array's ``base``; every view, slice and reshape keeps it through its chain of ``base`` arrays, and
+``torch.from_numpy`` / memoryviews keep the array). When the last of them dies, the lease is
+collected and a ``weakref.finalize`` callback returns the block to the free list -- no
+reference counting by hand. (Raw addresses taken without a reference, e.g. ``arr.ctypes.data``
+kept after ``arr`` is gone, are outside that rule, as they are for any allocator; set
+``FP8SIM_RESULT_CACHE_MB=0`` while debugging such code.)
 
-Memory bound: blocks nobody uses are kept up to :func:`limit` bytes in all (default 512 MiB,
-``FP8SIM_RESULT_CACHE_MB`` in the environment, ``0`` disables the cache); the least recently
-returned go first. :func:`clear` drops every free block. Thread-safe (one lock around the
-search).
+Memory bound: free blocks are kept up to :func:`limit` bytes in all (default 512 MiB,
+``FP8SIM_RESULT_CACHE_MB`` in the environment, ``0`` disables the cache), enforced when a block
+is returned; the least recently returned go first. :func:`clear` drops every free block.
+Thread-safe; a block returned while the cache is busy (another thread, or a garbage collection
+inside the cache itself) waits in a queue that the next cache call takes in.
 """
 
 from __future__ import annotations
 
+import collections
+import math
 import os
-import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -36,101 +41,143 @@ MIN_BYTES = 1 << 22
 
 
 def _limit_from_env() -> int:
+    """FP8SIM_RESULT_CACHE_MB as bytes; a bad value is one clear ValueError."""
     raw = os.environ.get("FP8SIM_RESULT_CACHE_MB", "512")
     try:
         mb = float(raw)
     except ValueError:
-        raise ValueError(f"FP8SIM_RESULT_CACHE_MB must be a number of MiB (0 disables), got {raw!r}") from None
-    if mb < 0:
-        raise ValueError(f"FP8SIM_RESULT_CACHE_MB must be >= 0, got {raw!r}")
+        mb = math.nan
+    if not (math.isfinite(mb) and 0 <= mb <= 1 << 40):
+        raise ValueError(
+            f"FP8SIM_RESULT_CACHE_MB must be a number of MiB between 0 (off) and 2**40, got {raw!r}"
+        )
     return int(mb * (1 << 20))
 
 
+class _Lease:
+    """Owner of one result's memory: holds the block; numpy reads the address from
+    ``__array_interface__``."""
+
+    __slots__ = ("__array_interface__", "block", "__weakref__")
+
+
 _lock = threading.Lock()
-_blocks: list[np.ndarray] = []  # uint8 blocks, in use or free; most recently added last
-_limit = _limit_from_env()
+_inside = threading.local()  # .busy: this thread is inside empty()'s critical section
+_free: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()  # oldest first
+_free_total = 0
+_returned: collections.deque = collections.deque()  # blocks returned while the lock was busy
+_limit: int | None = None  # bytes; read from the environment at the first use
 
 
-def _refs_of_listed(blocks: list, i: int) -> int:
-    return sys.getrefcount(blocks[i])
+def _current_limit() -> int:
+    global _limit
+    if _limit is None:
+        _limit = _limit_from_env()
+    return _limit
 
 
-#: what :func:`_refs_of_listed` reports for an array only a list holds (measured, not assumed:
-#: interpreters differ in the temporary references they count)
-_FREE_REFS = _refs_of_listed([np.empty(1, np.uint8)], 0)
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a fork while another thread held it must not deadlock the child
 
 
-def _is_free(i: int) -> bool:
-    """Whether only the cache refers to block i (any view of the block adds a reference)."""
-    return _refs_of_listed(_blocks, i) <= _FREE_REFS
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _drop_free() -> None:
-    free = {i for i in range(len(_blocks)) if _is_free(i)}
-    _blocks[:] = [b for i, b in enumerate(_blocks) if i not in free]
+def _take_in_returned() -> None:
+    """Move queued returned blocks to the free list and trim it to the limit (lock held)."""
+    global _free_total
+    lim = _current_limit()
+    while _returned:
+        block = _returned.popleft()
+        if lim > 0:
+            _free[id(block)] = block
+            _free_total += block.nbytes
+    while _free_total > lim and _free:
+        _, b = _free.popitem(last=False)
+        _free_total -= b.nbytes
+
+
+def _give_back(block: np.ndarray) -> None:
+    """finalize callback of a lease: its block is free again."""
+    _returned.append(block)  # atomic; never blocks (a finalizer may run inside a cache call)
+    if _lock.acquire(blocking=False):
+        try:
+            _take_in_returned()
+        finally:
+            _lock.release()
 
 
 def empty(n: int, dtype) -> np.ndarray:
     """A flat, C-contiguous, writable array of ``n`` elements of ``dtype`` whose contents are
     undefined (like ``np.empty``): a free cached block when one fits (at least the size, at most
-    twice it), else a new block that the cache keeps for later."""
+    twice it), else a new block, returned to the cache when the result's last view dies."""
+    global _free_total
     dtype = np.dtype(dtype)
     nbytes = int(n) * dtype.itemsize
-    if nbytes < MIN_BYTES or _limit == 0:
+    if nbytes < MIN_BYTES or _current_limit() == 0:
         return np.empty(n, dtype)
+    if getattr(_inside, "busy", False):  # re-entered (a gc callback casting): no lock to wait on
+        return np.empty(n, dtype)
+    block = None
     with _lock:
-        best = -1
-        for i in range(len(_blocks)):
-            size = _blocks[i].nbytes
-            if nbytes <= size <= 2 * nbytes and _is_free(i):
-                if best < 0 or size < _blocks[best].nbytes:
-                    best = i
-        if best >= 0:
-            block = _blocks.pop(best)
-        else:
-            block = np.empty(nbytes, np.uint8)
-        _blocks.append(block)  # most recently used last
-        out = block[:nbytes].view(dtype)
-        _trim()
+        _inside.busy = True
+        try:
+            _take_in_returned()
+            best = None
+            for key, b in _free.items():
+                if nbytes <= b.nbytes <= 2 * nbytes and (best is None or b.nbytes < _free[best].nbytes):
+                    best = key
+            if best is not None:
+                block = _free.pop(best)
+                _free_total -= block.nbytes
+        finally:
+            _inside.busy = False
+    if block is None:
+        block = np.empty(nbytes, np.uint8)
+    lease = _Lease()
+    lease.block = block
+    lease.__array_interface__ = {
+        "shape": (int(n),),
+        "typestr": dtype.str,
+        "data": (block.__array_interface__["data"][0], False),
+        "version": 3,
+    }
+    out = np.asarray(lease)
+    weakref.finalize(lease, _give_back, block).atexit = False
     return out
-
-
-def _trim() -> None:
-    """Drop free blocks, least recently used first, until the free ones fit the limit."""
-    free = [i for i in range(len(_blocks)) if _is_free(i)]
-    total = sum(_blocks[i].nbytes for i in free)
-    drop = set()
-    for i in free:
-        if total <= _limit:
-            break
-        total -= _blocks[i].nbytes
-        drop.add(i)
-    if drop:
-        _blocks[:] = [b for i, b in enumerate(_blocks) if i not in drop]
 
 
 def limit() -> int:
     """Bytes of free blocks the cache may keep (0: disabled)."""
-    return _limit
+    return _current_limit()
 
 
 def set_limit(nbytes: int) -> None:
-    """Set the bytes of free blocks kept (0 disables the cache and drops every free block)."""
+    """Set the bytes of free blocks kept (an int; 0 disables the cache and drops every free
+    block; results alive now are dropped, not kept, when they die)."""
     global _limit
-    if int(nbytes) < 0:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+        raise TypeError(f"result cache limit must be an int number of bytes, got {nbytes!r}")
+    if nbytes < 0:
         raise ValueError(f"result cache limit must be >= 0 bytes, got {nbytes}")
     with _lock:
         _limit = int(nbytes)
-        _trim()
+        _take_in_returned()
 
 
 def clear() -> None:
     """Drop every free block (blocks still in use stay with their users)."""
+    global _free_total
     with _lock:
-        _drop_free()
+        _take_in_returned()
+        _free.clear()
+        _free_total = 0
 
 
 def free_bytes() -> int:
     """Bytes held in free blocks now."""
     with _lock:
-        return sum(_blocks[i].nbytes for i in range(len(_blocks)) if _is_free(i))
+        _take_in_returned()
+        return _free_total

@@ -28,8 +28,11 @@ def _fresh_cache():
 
 
 def _cached(a) -> bool:
-    """Whether a's memory is one of the cache's blocks."""
-    return any(np.shares_memory(np.asarray(a), b) for b in list(result_cache._blocks))
+    """Whether a's memory is leased from the cache (a lease at the end of its base chain)."""
+    b = np.asarray(a)
+    while isinstance(b, np.ndarray):
+        b = b.base
+    return isinstance(b, result_cache._Lease)
 
 
 def _data(seed: int) -> np.ndarray:
@@ -84,18 +87,40 @@ def test_decode_results_are_cached_too_and_limit_zero_disables():
     assert result_cache.free_bytes() == 0
     u1 = fp8sim.decode(codes, "e4m3")
     assert not _cached(u1)  # a plain np.empty result
-    with pytest.raises(ValueError, match=">= 0"):
-        result_cache.set_limit(-1)
 
 
-def test_free_blocks_stay_within_the_limit():
+def test_free_blocks_stay_within_the_limit_as_soon_as_they_are_freed():
     result_cache.set_limit(3 * N)  # room for three free 8 MiB blocks, not four
     keep = [fp8sim.encode(_data(k), "e4m3") for k in range(5)]
+    assert result_cache.free_bytes() == 0
     del keep
-    assert result_cache.free_bytes() == 5 * N  # all five just freed (trimmed at the next call)
-    r = fp8sim.encode(_data(9), "e4m3")  # reuses one, then trims the free ones to the limit
-    assert result_cache.free_bytes() <= 3 * N
-    assert r.nbytes == N
+    assert result_cache.free_bytes() == 3 * N  # trimmed when returned, not at the next cast
+    r = fp8sim.encode(_data(9), "e4m3")  # reuses one
+    assert result_cache.free_bytes() == 2 * N and _cached(r)
+
+
+def test_limit_zero_drops_blocks_of_results_alive_now_when_they_die():
+    r = fp8sim.encode(_data(6), "e4m3")
+    result_cache.set_limit(0)
+    del r
+    assert result_cache.free_bytes() == 0
+
+
+def test_a_block_returned_while_the_cache_is_busy_is_taken_in_later():
+    # a finalizer may run inside a cache call (a garbage collection): it must not wait for the
+    # lock (a deadlock) and the block must not be lost
+    r = fp8sim.encode(_data(7), "e4m3")
+    with result_cache._lock:
+        del r  # the lease dies here, its block is queued
+    assert result_cache.free_bytes() == N
+
+
+def test_bad_limits_are_clear_errors():
+    with pytest.raises(ValueError, match=">= 0"):
+        result_cache.set_limit(-1)
+    for bad in ("100", 2.5, True):
+        with pytest.raises(TypeError, match="int number of bytes"):
+            result_cache.set_limit(bad)
 
 
 def test_small_results_are_not_cached():
@@ -122,7 +147,8 @@ def test_concurrent_encodes_get_their_own_memory():
         assert np.array_equal(g, e)
 
 
-def test_bad_environment_value_is_one_clear_error(monkeypatch):
-    monkeypatch.setenv("FP8SIM_RESULT_CACHE_MB", "lots")
-    with pytest.raises(ValueError, match="FP8SIM_RESULT_CACHE_MB must be a number"):
+@pytest.mark.parametrize("raw", ["lots", "nan", "inf", "1e400", "-3"])
+def test_bad_environment_value_is_one_clear_error(monkeypatch, raw):
+    monkeypatch.setenv("FP8SIM_RESULT_CACHE_MB", raw)
+    with pytest.raises(ValueError, match="FP8SIM_RESULT_CACHE_MB must be a number of MiB"):
         result_cache._limit_from_env()
