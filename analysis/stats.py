@@ -19,10 +19,12 @@ amax with ``scale_from_amax`` / ``mx_shared_scale`` -- the scaling module's own 
 
 Passes, per chunk of the flat tensor (bounded memory, files read lazily): pass A (only when a
 variant scales just in time) is one numba pass computing the tensor's amax and every requested
-granularity's per-group amax -- a just-in-time scale needs them before the first cast; pass B is
-one numba pass computing everything else: the format-independent figures (NaN/inf/zero counts,
-amax, sum x^2, the log2|x| histogram) and every variant's figures, block by block, so the data is
-read from memory once and each variant's cast reads the block from L1. Inside a pass, a chunk is
+granularity's per-group amax -- a just-in-time scale needs them before the first cast -- and the
+format-independent figures (NaN/inf/zero counts, amax, sum x^2, the log2|x| histogram), which
+keep the cores busy while that pass streams the data from memory; pass B is one numba pass
+computing every variant's figures (and the format-independent ones when pass A did not run),
+block by block, so the data is read from memory once and each variant's cast reads the block
+from L1. Inside a pass, a chunk is
 split into parts (by size) that the numba threads take in turn (``prange``), each part into
 L1-sized blocks whose loops are branch-free so LLVM vectorizes them; the cast works on float32
 bit patterns in 32-bit lanes (RNE as an integer or FPU add at the quantum; see :mod:`analysis.stats_kernels`).
@@ -54,13 +56,19 @@ __all__ = [
     "tensor_stats",
     "LOG2_EXPONENTS",
     "DEFAULT_CHUNK",
+    "IN_MEMORY_CHUNK",
 ]
 
 #: binades of the log2|x| histogram: floor(log2 float32(|x|)); the ends are sentinels for float64
 #: values outside float32's range (as in fp8sim.trace)
 LOG2_EXPONENTS = np.arange(EXPONENT_MIN, EXPONENT_MAX + 1)
-#: elements per chunk (4 MiB of float32)
+#: elements per chunk of a tensor read from a file (4 MiB of float32: bounds the memory a lazily
+#: read dump adds)
 DEFAULT_CHUNK = 1 << 20
+#: elements per chunk of an array already in memory (a chunk is a view: no memory added; fewer
+#: chunks mean fewer thread launches and less per-chunk Python, about 8% of the time at 2**24
+#: elements against DEFAULT_CHUNK)
+IN_MEMORY_CHUNK = 1 << 22
 _N_LOG2 = N_LOG2
 
 
@@ -225,10 +233,11 @@ def _finite_or_none(v: float) -> float | None:
 # ------------------------------------------------------------------------------------------
 # driver
 # ------------------------------------------------------------------------------------------
-def _as_reader(x: Any) -> tuple[Callable[[int, int], np.ndarray], tuple[int, ...], str]:
-    """(read(start, stop) -> float32/float64, shape, dtype name) of an array, tensor or source."""
+def _as_reader(x: Any) -> tuple[Callable[[int, int], np.ndarray], tuple[int, ...], str, bool]:
+    """(read(start, stop) -> float32/float64, shape, dtype name, whether the data is in memory)
+    of an array, tensor or source."""
     if hasattr(x, "read") and hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "numel"):
-        return x.read, tuple(x.shape), str(x.dtype)
+        return x.read, tuple(x.shape), str(x.dtype), False
     from fp8sim.emulator import as_float_array
 
     if type(x).__module__.startswith("torch"):
@@ -237,7 +246,7 @@ def _as_reader(x: Any) -> tuple[Callable[[int, int], np.ndarray], tuple[int, ...
         dtype = np.asarray(x).dtype.name
     arr, _ = as_float_array(x)
     flat = np.ascontiguousarray(arr).reshape(-1)
-    return (lambda a, b: flat[a:b]), tuple(arr.shape), dtype
+    return (lambda a, b: flat[a:b]), tuple(arr.shape), dtype, True
 
 
 def tensor_stats(
@@ -245,23 +254,27 @@ def tensor_stats(
     variants: Sequence[Variant],
     *,
     name: str = "",
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> TensorStats:
     """Statistics of ``x`` (numpy array, CPU torch tensor or a ``dumps.TensorSource``) under every
-    variant, reading it chunk by chunk: twice (pass A, then pass B) when a variant scales just
-    in time, once (pass B) when every variant is ``none``.
+    variant, reading it chunk by chunk (``chunk`` elements; by default :data:`DEFAULT_CHUNK` for
+    a source read from a file, :data:`IN_MEMORY_CHUNK` for an array or tensor in memory): twice
+    (pass A, then pass B) when a variant scales just in time, once (pass B) when every variant
+    is ``none``. The figures depend on the chunk size only in the last bits of the two sums.
 
     ``progress(n)`` is called with the number of elements each pass finished (2 x numel in all;
     pass B counts twice when pass A was not needed).
     Raises TypeError for non-float input.
     """
-    read, shape, dtype = _as_reader(x)
+    read, shape, dtype, in_memory = _as_reader(x)
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     res = TensorStats(name=name, shape=shape, dtype=dtype, numel=numel)
     if numel == 0:
         return res
     m, n = view2d(shape)
+    if chunk is None:
+        chunk = IN_MEMORY_CHUNK if in_memory else DEFAULT_CHUNK
     chunk = max(1, int(chunk))
 
     # distinct granularities (none needs no amax)
@@ -275,6 +288,21 @@ def tensor_stats(
         g_tiles.append((r, c, -(-n // c), -(-m // r)))
     g_amax = [np.zeros(gr * gc, np.uint32) for (_, _, gc, gr) in g_tiles]  # float32 bits
     g_nan = [np.zeros(gr * gc, bool) for (_, _, gc, gr) in g_tiles]  # group holds a NaN
+
+    # the format-independent figures: from pass A when it runs (it reads memory with the cores
+    # idle), else from pass B
+    counts = np.zeros(3, np.int64)
+    amax_bits = 0
+    sig2 = np.zeros(2, np.float64)  # (low sum, high sum): see _combine
+    log2 = np.zeros(_N_LOG2, np.int64)
+
+    def _add_scan(scanned) -> None:
+        nonlocal amax_bits
+        base, sq, lg = scanned
+        counts[:] += base[:3]
+        amax_bits = max(amax_bits, int(base[3]))
+        sig2[:] += sq
+        log2[:] += lg
 
     # ---- pass A (only when a variant needs a just-in-time scale): the amaxes ----
     tensor_amax = np.uint32(0)  # float32 bits, over the finite values
@@ -293,7 +321,9 @@ def tensor_stats(
             lo, hi = first_row // r, last_row // r
             gran[j] = (r, c, gc, lo)
             local_off[j + 1] = local_off[j] + (hi - lo + 1) * gc
-        ta, gam, gnn = _pass_a(xc, start, n, gran, local_off, int(local_off[-1]), _parts(xc.size))
+        ta, gam, gnn, scanned = _pass_a(xc, start, n, gran, local_off, int(local_off[-1]),
+                                        _parts(xc.size), scan=True)  # fmt: skip
+        _add_scan(scanned)
         tensor_amax = max(tensor_amax, np.uint32(ta[:, 0].max()))
         tensor_inf += int(ta[:, 1].sum())
         for j, k in enumerate(tiled):
@@ -349,10 +379,6 @@ def tensor_stats(
     verr = np.zeros((len(variants), 2), np.float64)
     smin = np.full(len(variants), np.inf)
     smax = np.full(len(variants), -np.inf)
-    counts = np.zeros(3, np.int64)
-    amax_bits = 0
-    sig2 = np.zeros(2, np.float64)  # (low sum, high sum): see _combine
-    log2 = np.zeros(_N_LOG2, np.int64)
     whole_scales = {}  # variants with one scale for the whole tensor: computed once
     for k, v in enumerate(variants):
         r, gc, gi = shapes[k]
@@ -381,11 +407,10 @@ def tensor_stats(
                 smax[k] = max(smax[k], float(fin.max()))
         scales = np.concatenate(sc_parts) if sc_parts else np.ones(1, np.float32)
         sinvs = np.concatenate(si_parts) if si_parts else np.ones(1, np.float32)
-        base, sq, lg, cnt, e2 = _pass_b(xc, start, n, vint, vflt, scales, sinvs, _parts(xc.size))
-        counts += base[:3]
-        amax_bits = max(amax_bits, int(base[3]))
-        sig2 += sq
-        log2 += lg
+        scanned, cnt, e2 = _pass_b(xc, start, n, vint, vflt, scales, sinvs, _parts(xc.size),
+                                   scan=not need_a)  # fmt: skip
+        if scanned is not None:
+            _add_scan(scanned)
         vcounts += cnt
         verr += e2
         if progress is not None:  # 2 x numel in all, also when pass A was not needed

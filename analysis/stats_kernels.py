@@ -373,11 +373,32 @@ def _tile_amax(xs):
 
 
 @jit_serial
-def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, out):
+def _scan_range(x, s, e, buf, base, sig2, hist, hsub):
+    """The format-independent figures of elements [s, e), block by block (``_BLOCK`` elements
+    from s), added into base (nan, inf, zero, max float32 bits of the finite |x|), sig2 (low,
+    high sum of x^2), hist and hsub (see :func:`_scan_block`)."""
+    for b0 in range(s, e, _BLOCK):
+        b1 = min(e, b0 + _BLOCK)
+        n1, n2, n3, mb, q, qh = _scan(x[b0:b1], buf, hist, hsub)
+        base[0] += n1
+        base[1] += n2
+        base[2] += n3
+        base[3] = max(base[3], np.int64(mb))
+        sig2[0] += q
+        sig2[1] += qh
+
+
+@jit_serial
+def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, out, scan, base, sig2, hist, hsub):
     """Pass A over elements [s, e) of the chunk: see :func:`_pass_a`."""
-    mb, inf = _tensor_amax(x[s:e])
-    out[0] = mb
-    out[1] = inf
+    if scan:
+        _scan_range(x, s, e, np.empty(_BLOCK, np.float64), base, sig2, hist, hsub)
+        out[0] = base[3]
+        out[1] = base[1]
+    else:
+        mb, inf = _tensor_amax(x[s:e])
+        out[0] = mb
+        out[1] = inf
     if gran.shape[0] == 0:
         return
     i = s
@@ -405,44 +426,68 @@ def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, out):
 
 
 @jit_kernel
-def _pass_a_kernel(x, n_parts, i0, ncols, gran, local_off, gamax, gnan, out):
+def _pass_a_kernel(x, n_parts, i0, ncols, gran, local_off, gamax, gnan, out, scan, base, sig2,
+                   hist, hsub):  # fmt: skip
     per = (x.size + n_parts - 1) // n_parts
     for p in numba.prange(n_parts):
         s = min(x.size, p * per)
         e = min(x.size, s + per)
-        _part_a(x, s, e, i0, ncols, gran, local_off, gamax[p], gnan[p], out[p])
+        _part_a(x, s, e, i0, ncols, gran, local_off, gamax[p], gnan[p], out[p], scan, base[p],
+                sig2[p], hist[p], hsub[p])  # fmt: skip
 
 
-def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
-    """The amaxes of one chunk: the tensor's and each tiled granularity's per group.
+def _scan_buffers(n_parts: int):
+    """Per-part outputs of the format-independent figures (base, sig2, hist, hsub)."""
+    return (np.zeros((n_parts, 4), np.int64), np.zeros((n_parts, 2), np.float64),
+            np.zeros((n_parts, N_HIST_COPIES, 256), np.uint32),
+            np.zeros((n_parts, N_LOG2), np.int64))  # fmt: skip
+
+
+def _scan_totals(base, sig2, hist, hsub):
+    """Sum the per-part format-independent figures (in part order): (tot (4,) = nan, inf, zero,
+    float32 bits of the max finite |x|; sig2 (2,); log2 (N_LOG2,) the histogram)."""
+    tot = base.sum(axis=0)
+    tot[3] = base[:, 3].max() if base.shape[0] else 0
+    nan, inf, zero = int(tot[0]), int(tot[1]), int(tot[2])
+    by_byte = hist.sum(axis=(0, 1), dtype=np.int64)
+    log2 = hsub.sum(axis=0)
+    n_sub = int(log2.sum())
+    # exponent byte b of a normal float32: floor(log2) = b - 127, bin b - 127 - EXPONENT_MIN
+    log2[1 - 127 - EXPONENT_MIN : 255 - 127 - EXPONENT_MIN] += by_byte[1:255]
+    log2[0] += by_byte[0] - zero - n_sub  # nonzero values whose float32 is 0
+    log2[-1] += by_byte[255] - nan - inf  # finite values whose float32 is inf
+    return tot, sig2.sum(axis=0), log2
+
+
+def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts, scan=False):
+    """The amaxes of one chunk: the tensor's and each tiled granularity's per group; with
+    ``scan``, the format-independent figures as well (then pass B need not take them: pass A
+    reads memory at the bandwidth's pace with the cores idle, pass B is bound by the casts).
 
     x: the chunk (float32/float64), flat C-order elements i0 .. i0+x.size of the (M, ncols) view.
     gran[g] = (R, C, Gc, first grid row of this chunk); granularity g's local grid starts at
     local_off[g] in a per-part buffer of n_local entries.
     Returns per part: tensor (P, 2) = (float32 bits of the max finite |float32(x)|, inf count);
     gamax (P, n_local) group amax as float32 bits (NaN skipped, inf counted); gnan (P, n_local)
-    NaN counts.
+    NaN counts; then, with ``scan``, :func:`_scan_totals` of the chunk, else None.
     """
     gamax = np.zeros((n_parts, n_local), np.uint32)
     gnan = np.zeros((n_parts, n_local), np.int64)
     out = np.zeros((n_parts, 2), np.int64)
-    _run(_pass_a_kernel, x, n_parts, i0, ncols, gran, local_off, gamax, gnan, out)
-    return out, gamax, gnan
+    bufs = _scan_buffers(n_parts)
+    _run(_pass_a_kernel, x, n_parts, i0, ncols, gran, local_off, gamax, gnan, out, scan, *bufs)
+    return out, gamax, gnan, (_scan_totals(*bufs) if scan else None)
 
 
 @jit_serial
-def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, base, sig2, hist, hsub, counts, err2):
+def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, hist, hsub, counts,
+            err2):  # fmt: skip
     """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
     buf = np.empty(_BLOCK, np.float64)
     for b0 in range(s, e, _BLOCK):
         b1 = min(e, b0 + _BLOCK)
-        n1, n2, n3, mb, q, qh = _scan(x[b0:b1], buf, hist, hsub)
-        base[0] += n1
-        base[1] += n2
-        base[2] += n3
-        base[3] = max(base[3], np.int64(mb))
-        sig2[0] += q
-        sig2[1] += qh
+        if scan:
+            _scan_range(x, b0, b1, buf, base, sig2, hist, hsub)
         for v in range(vint.shape[0]):
             R = vint[v, 0]
             C = vint[v, 1]
@@ -493,46 +538,33 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, base, sig2, hist, hsu
 
 
 @jit_kernel
-def _pass_b_kernel(x, n_parts, i0, ncols, vint, vflt, scales, sinvs, base, sig2, hist, hsub,
-                   counts, err2):  # fmt: skip
+def _pass_b_kernel(x, n_parts, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, hist,
+                   hsub, counts, err2):  # fmt: skip
     per = (x.size + n_parts - 1) // n_parts
     for p in numba.prange(n_parts):
         s = min(x.size, p * per)
         e = min(x.size, s + per)
-        _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, base[p], sig2[p], hist[p],
+        _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base[p], sig2[p], hist[p],
                 hsub[p], counts[p], err2[p])  # fmt: skip
 
 
-def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts):
-    """The format-independent figures and every variant's figures over one chunk (one read).
+def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
+    """Every variant's figures over one chunk (one read) and, with ``scan``, the
+    format-independent figures (when pass A did not take them).
 
     vint[v] = (R, C, Gc, scale offset, shift = 23 - mantissa bits, float32 bits of fmt.max,
     float32 bits of fmt.min_normal, first grid row of the chunk, 1 if one scale covers the whole
-    tensor, 1 if float32 blocks may take :func:`_cast_block_f32`); vflt[v] = (2**(emin - m + 23), fmt.max, fmt.min_normal). scales / sinvs: each
-    variant's scale grid rows that the chunk touches, flat (float32), variant v's from offset
-    vint[v, 3]. Returns, summed over the parts: base (4,) = nan, inf, zero, float32 bits of
-    the max finite |x|; sig2 (2,) = sum x^2 over finite as a (low, high) pair (see
-    stats._combine); log2 (N_LOG2,) the histogram; counts (V, 4) = overflow, underflow,
-    subnormal, lost; err2 (V, 2) = sum (deq - x)^2 as (low, high) pairs. (Parts are summed in
-    order, so the figures depend only on the part count.)
+    tensor, 1 if float32 blocks may take :func:`_cast_block_f32`); vflt[v] = (2**(emin - m +
+    23), fmt.max, fmt.min_normal). scales / sinvs: each variant's scale grid rows that the chunk
+    touches, flat (float32), variant v's from offset vint[v, 3]. Returns, summed over the parts
+    (in part order, so the figures depend only on the part count): :func:`_scan_totals` (None
+    without ``scan``), counts (V, 4) = overflow, underflow, subnormal, lost; err2 (V, 2) = sum
+    (deq - x)^2 as (low, high) pairs (see stats._combine).
     """
     nv = vint.shape[0]
-    base = np.zeros((n_parts, 4), np.int64)
-    sig2 = np.zeros((n_parts, 2), np.float64)
-    hist = np.zeros((n_parts, N_HIST_COPIES, 256), np.uint32)
-    hsub = np.zeros((n_parts, N_LOG2), np.int64)
+    bufs = _scan_buffers(n_parts)
     counts = np.zeros((n_parts, nv, 4), np.int64)
     err2 = np.zeros((n_parts, nv, 2), np.float64)
-    _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs, base, sig2, hist,
-         hsub, counts, err2)  # fmt: skip
-    tot = base.sum(axis=0)
-    tot[3] = base[:, 3].max()
-    nan, inf, zero = int(tot[0]), int(tot[1]), int(tot[2])
-    by_byte = hist.sum(axis=(0, 1), dtype=np.int64)
-    log2 = hsub.sum(axis=0)
-    n_sub = int(log2.sum())
-    # exponent byte b of a normal float32: floor(log2) = b - 127, bin b - 127 - EXPONENT_MIN
-    log2[1 - 127 - EXPONENT_MIN : 255 - 127 - EXPONENT_MIN] += by_byte[1:255]
-    log2[0] += by_byte[0] - zero - n_sub  # nonzero values whose float32 is 0
-    log2[-1] += by_byte[255] - nan - inf  # finite values whose float32 is inf
-    return tot, sig2.sum(axis=0), log2, counts.sum(axis=0), err2.sum(axis=0)
+    _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs, scan, *bufs, counts,
+         err2)  # fmt: skip
+    return (_scan_totals(*bufs) if scan else None), counts.sum(axis=0), err2.sum(axis=0)

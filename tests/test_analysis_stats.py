@@ -239,6 +239,27 @@ def test_log2_histogram_of_awkward_values_matches_numpy():
     assert st.nan == int(np.isnan(x).sum()) and st.inf == int(np.isinf(x).sum())
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pass_a_and_pass_b_give_the_same_format_independent_figures(dtype):
+    # with a just-in-time scaling pass A takes NaN/inf/zero, amax, sum x^2 and the histogram;
+    # with "none" only pass B does: the same parts and blocks, so the same figures to the last
+    # bit, and the histogram is numpy's either way
+    rng = np.random.default_rng(16)
+    x = _awkward_float32(rng, 333_333).astype(dtype)
+    if dtype == np.float64:
+        x[rng.integers(0, x.size, 5)] = 1e300  # beyond float32: the top sentinel bin
+    fig = []
+    for scaling in ("none", "tensor", "block:1x32"):
+        st = tensor_stats(x, parse_variants(["e4m3"], [scaling]), chunk=150_000)
+        fig.append(_figures(st)[0])
+    assert fig[0] == fig[1] == fig[2]
+    a = np.abs(x[np.isfinite(x) & (x != 0)]).astype(np.float32).astype(np.float64)
+    _, e = np.frexp(a[np.isfinite(a)])
+    want = np.bincount(e - 1 - LOG2_EXPONENTS[0], minlength=LOG2_EXPONENTS.size)
+    want[-1] += int(np.isinf(a).sum())
+    assert fig[1][5] == want.tolist()
+
+
 def test_figures_do_not_depend_on_the_thread_count():
     import numba
 
