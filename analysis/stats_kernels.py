@@ -83,6 +83,26 @@ def _pairwise_sum(buf, m):
     return s
 
 
+#: float64 lanes of a block's sum of squares: element k of a block adds into lane k % _LANES
+_LANES = 64
+
+
+@jit_serial
+def _lane_sum(buf, m, lanes):
+    """Sum of buf[:m] in the lane order: lane j adds buf[j], buf[j + 64], ... in turn (from
+    0.0), then the 64 lanes are summed pairwise (:func:`_pairwise_sum`). The float32 scan
+    accumulates its squares straight into lanes in this very order, so both give one value."""
+    lanes[:] = 0.0
+    q = m // _LANES
+    for i in range(q):
+        row = buf[i * _LANES : i * _LANES + _LANES]
+        for j in range(_LANES):
+            lanes[j] += row[j]
+    for k in range(q * _LANES, m):
+        lanes[k - q * _LANES] += buf[k]
+    return _pairwise_sum(lanes, _LANES)
+
+
 @jit_serial
 def _count_exponent_bytes(xs, hist):
     """``hist[k % 8, b] += 1`` for each element k of ``xs`` whose float32 has exponent byte b.
@@ -117,7 +137,7 @@ def _byte_count(hist, b):
 
 
 @jit_serial
-def _scan_block(xs, buf, hist, hsub):
+def _scan_block(xs, buf, lanes, hist, hsub):
     """Format-independent figures of one block ``xs`` (float32 or float64, contiguous).
 
     A branch-free loop (vectorized): NaN/inf/zero counts, the max float32 bits of the finite |x|
@@ -164,7 +184,7 @@ def _scan_block(xs, buf, hist, hsub):
                     u >>= np.uint32(1)
                     e += 1
                 hsub[e - EXPONENT_MIN] += 1
-    return nan, inf, zero, mxb, _pairwise_sum(buf, m), sqh
+    return nan, inf, zero, mxb, _lane_sum(buf, m, lanes), sqh
 
 
 @jit_serial
@@ -227,7 +247,7 @@ _MINUS1 = np.uint32(0xFFFFFFFF)
 
 
 @jit_serial
-def _scan_block_f32(xs, buf, hist, hsub):
+def _scan_block_f32(xs, buf, lanes, hist, hsub):
     """:func:`_scan_block` for float32 blocks (the same results, fewer operations).
 
     The exponent bytes are counted first: byte 255 holds exactly the NaNs and infs, byte 0 the
@@ -251,11 +271,21 @@ def _scan_block_f32(xs, buf, hist, hsub):
             mxb = max(mxb, u if fin else np.uint32(0))
             v = np.float64(xs[k] if fin else np.float32(0))
             buf[k] = v * v
-    else:
-        for k in range(m):
+        sq = _lane_sum(buf, m, lanes)
+    else:  # squares straight into the lanes (the order of _lane_sum), rows of 64 vectorized
+        lanes[:] = 0.0
+        q = m // _LANES
+        for i in range(q):
+            row = xs[i * _LANES : i * _LANES + _LANES]
+            for j in range(_LANES):
+                mxb = max(mxb, and32(_f32_bits(row[j]), _MAG))
+                v = np.float64(row[j])
+                lanes[j] += v * v
+        for k in range(q * _LANES, m):
             mxb = max(mxb, and32(_f32_bits(xs[k]), _MAG))
             v = np.float64(xs[k])
-            buf[k] = v * v
+            lanes[k - q * _LANES] += v * v
+        sq = _pairwise_sum(lanes, _LANES)
     if n_low:
         for k in range(m):
             zero += np.int64(and32(_f32_bits(xs[k]), _MAG) == np.uint32(0))
@@ -268,7 +298,7 @@ def _scan_block_f32(xs, buf, hist, hsub):
                         u >>= np.uint32(1)
                         e += 1
                     hsub[e - EXPONENT_MIN] += 1
-    return nan, n_high - nan, zero, mxb, _pairwise_sum(buf, m), 0.0
+    return nan, n_high - nan, zero, mxb, sq, 0.0
 
 
 @jit_serial
@@ -312,7 +342,7 @@ def _cast_block_f32(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, cs
     return np.uint32(0), under, sub, 0.0
 
 
-def _scan(xs, buf, hist, hsub):
+def _scan(xs, buf, lanes, hist, hsub):
     """:func:`_scan_block` or, for float32 blocks, :func:`_scan_block_f32` (chosen at compile
     time, inside numba code only)."""
     raise NotImplementedError("numba-only dispatcher")
@@ -325,9 +355,9 @@ def _cast(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf, f
 
 
 @overload(_scan)
-def _scan_impl(xs, buf, hist, hsub):
+def _scan_impl(xs, buf, lanes, hist, hsub):
     kernel = _scan_block_f32 if xs.dtype == types.float32 else _scan_block
-    return lambda xs, buf, hist, hsub: kernel(xs, buf, hist, hsub)
+    return lambda xs, buf, lanes, hist, hsub: kernel(xs, buf, lanes, hist, hsub)
 
 
 @overload(_cast)
@@ -373,13 +403,13 @@ def _tile_amax(xs):
 
 
 @jit_serial
-def _scan_range(x, s, e, buf, base, sig2, hist, hsub):
+def _scan_range(x, s, e, buf, lanes, base, sig2, hist, hsub):
     """The format-independent figures of elements [s, e), block by block (``_BLOCK`` elements
     from s), added into base (nan, inf, zero, max float32 bits of the finite |x|), sig2 (low,
     high sum of x^2), hist and hsub (see :func:`_scan_block`)."""
     for b0 in range(s, e, _BLOCK):
         b1 = min(e, b0 + _BLOCK)
-        n1, n2, n3, mb, q, qh = _scan(x[b0:b1], buf, hist, hsub)
+        n1, n2, n3, mb, q, qh = _scan(x[b0:b1], buf, lanes, hist, hsub)
         base[0] += n1
         base[1] += n2
         base[2] += n3
@@ -392,7 +422,8 @@ def _scan_range(x, s, e, buf, base, sig2, hist, hsub):
 def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, out, scan, base, sig2, hist, hsub):
     """Pass A over elements [s, e) of the chunk: see :func:`_pass_a`."""
     if scan:
-        _scan_range(x, s, e, np.empty(_BLOCK, np.float64), base, sig2, hist, hsub)
+        _scan_range(x, s, e, np.empty(_BLOCK, np.float64), np.empty(_LANES, np.float64), base,
+                    sig2, hist, hsub)  # fmt: skip
         out[0] = base[3]
         out[1] = base[1]
     else:
@@ -484,10 +515,11 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, his
             err2):  # fmt: skip
     """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
     buf = np.empty(_BLOCK, np.float64)
+    lanes = np.empty(_LANES, np.float64)
     for b0 in range(s, e, _BLOCK):
         b1 = min(e, b0 + _BLOCK)
         if scan:
-            _scan_range(x, b0, b1, buf, base, sig2, hist, hsub)
+            _scan_range(x, b0, b1, buf, lanes, base, sig2, hist, hsub)
         for v in range(vint.shape[0]):
             R = vint[v, 0]
             C = vint[v, 1]
