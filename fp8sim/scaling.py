@@ -167,7 +167,8 @@ def _as_float32(x: Any) -> np.ndarray:
     """``float32(x)`` as a numpy array: float16/bfloat16 widen exactly, float64 rounds once
     (values beyond float32's range become +-inf). CPU torch tensors are accepted."""
     arr, _ = as_float_array(x)
-    return np.asarray(arr, dtype=np.float32)
+    with np.errstate(over="ignore"):  # documented: beyond float32's range becomes +-inf
+        return np.asarray(arr, dtype=np.float32)
 
 
 def _tile_stats(x2d: np.ndarray, gran: Granularity) -> tuple[np.ndarray, np.ndarray]:
