@@ -20,8 +20,8 @@ kept after ``arr`` is gone, are outside that rule, as they are for any allocator
 Memory bound: free blocks are kept up to :func:`limit` bytes in all (default 512 MiB,
 ``FP8SIM_RESULT_CACHE_MB`` in the environment, ``0`` disables the cache), enforced when a block
 is returned; the least recently returned go first. :func:`clear` drops every free block.
-Thread-safe; a block returned while the cache is busy (another thread, or a garbage collection
-inside the cache itself) waits in a queue that the next cache call takes in.
+Thread-safe and re-entrant; a block returned while another thread holds the cache is queued and
+taken in as soon as that thread lets go.
 """
 
 from __future__ import annotations
@@ -56,13 +56,26 @@ def _limit_from_env() -> int:
 
 class _Lease:
     """Owner of one result's memory: holds the block; numpy reads the address from
-    ``__array_interface__``."""
+    ``__array_interface__``. Not copyable or picklable (a copy would outlive the finalizer that
+    returns the block); code should not keep the end of a result's ``.base`` chain itself."""
 
     __slots__ = ("__array_interface__", "block", "__weakref__")
 
+    def __copy__(self):
+        raise TypeError("a result-cache lease cannot be copied; copy the array instead")
 
-_lock = threading.Lock()
-_inside = threading.local()  # .busy: this thread is inside empty()'s critical section
+    def __deepcopy__(self, memo):
+        raise TypeError("a result-cache lease cannot be copied; copy the array instead")
+
+    def __reduce__(self):
+        raise TypeError("a result-cache lease cannot be pickled; pickle the array instead")
+
+
+# Re-entrant: a garbage collection inside a locked section may run finalizers and gc callbacks
+# that call back into this module on the same thread. Every locked section is written to stay
+# consistent under such re-entry (iterate over copies; each step adjusts the total for its own
+# block).
+_lock = threading.RLock()
 _free: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()  # oldest first
 _free_total = 0
 _returned: collections.deque = collections.deque()  # blocks returned while the lock was busy
@@ -77,8 +90,11 @@ def _current_limit() -> int:
 
 
 def _after_fork_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()  # a fork while another thread held it must not deadlock the child
+    """A fork while another thread held the lock (or was halfway through an update) must leave
+    the child a free lock and a total that matches its free list."""
+    global _lock, _free_total
+    _lock = threading.RLock()
+    _free_total = sum(b.nbytes for b in list(_free.values()))
 
 
 if hasattr(os, "register_at_fork"):
@@ -90,50 +106,65 @@ def _take_in_returned() -> None:
     global _free_total
     lim = _current_limit()
     while _returned:
-        block = _returned.popleft()
+        try:
+            block = _returned.popleft()
+        except IndexError:  # taken by a re-entrant call
+            break
         if lim > 0:
             _free[id(block)] = block
             _free_total += block.nbytes
     while _free_total > lim and _free:
-        _, b = _free.popitem(last=False)
+        try:
+            _, b = _free.popitem(last=False)
+        except KeyError:
+            break
         _free_total -= b.nbytes
 
 
-def _give_back(block: np.ndarray) -> None:
-    """finalize callback of a lease: its block is free again."""
-    _returned.append(block)  # atomic; never blocks (a finalizer may run inside a cache call)
-    if _lock.acquire(blocking=False):
+def _drain() -> None:
+    """Take in returned blocks unless another thread holds the lock (it drains them then);
+    called after every locked section, so no block stays queued once the calls are over."""
+    while _returned and _lock.acquire(blocking=False):
         try:
             _take_in_returned()
         finally:
             _lock.release()
 
 
+def _give_back(block: np.ndarray) -> None:
+    """finalize callback of a lease: its block is free again."""
+    _returned.append(block)  # atomic; never blocks (a finalizer may run inside a cache call)
+    _drain()
+
+
+def _cacheable(dtype: np.dtype) -> bool:
+    """Plain numeric dtypes that ``__array_interface__``'s type string carries unchanged (not
+    objects: an old block's bytes must never be read as pointers)."""
+    return not dtype.hasobject and dtype.fields is None and np.dtype(dtype.str) == dtype
+
+
 def empty(n: int, dtype) -> np.ndarray:
     """A flat, C-contiguous, writable array of ``n`` elements of ``dtype`` whose contents are
     undefined (like ``np.empty``): a free cached block when one fits (at least the size, at most
-    twice it), else a new block, returned to the cache when the result's last view dies."""
+    twice it), else a new block, returned to the cache when the result's last view dies.
+    Dtypes other than plain numeric ones come from ``np.empty``."""
     global _free_total
     dtype = np.dtype(dtype)
     nbytes = int(n) * dtype.itemsize
-    if nbytes < MIN_BYTES or _current_limit() == 0:
-        return np.empty(n, dtype)
-    if getattr(_inside, "busy", False):  # re-entered (a gc callback casting): no lock to wait on
+    if nbytes < MIN_BYTES or _current_limit() == 0 or not _cacheable(dtype):
         return np.empty(n, dtype)
     block = None
     with _lock:
-        _inside.busy = True
-        try:
-            _take_in_returned()
-            best = None
-            for key, b in _free.items():
-                if nbytes <= b.nbytes <= 2 * nbytes and (best is None or b.nbytes < _free[best].nbytes):
-                    best = key
-            if best is not None:
-                block = _free.pop(best)
+        _take_in_returned()
+        best = None
+        for key, b in list(_free.items()):
+            if nbytes <= b.nbytes <= 2 * nbytes and (best is None or b.nbytes < best[1]):
+                best = (key, b.nbytes)
+        if best is not None:
+            block = _free.pop(best[0], None)  # None: dropped by a re-entrant trim meanwhile
+            if block is not None:
                 _free_total -= block.nbytes
-        finally:
-            _inside.busy = False
+    _drain()
     if block is None:
         block = np.empty(nbytes, np.uint8)
     lease = _Lease()
@@ -165,6 +196,7 @@ def set_limit(nbytes: int) -> None:
     with _lock:
         _limit = int(nbytes)
         _take_in_returned()
+    _drain()
 
 
 def clear() -> None:
@@ -172,12 +204,19 @@ def clear() -> None:
     global _free_total
     with _lock:
         _take_in_returned()
-        _free.clear()
-        _free_total = 0
+        while _free:
+            try:
+                _, b = _free.popitem(last=False)
+            except KeyError:
+                break
+            _free_total -= b.nbytes
+    _drain()
 
 
 def free_bytes() -> int:
     """Bytes held in free blocks now."""
     with _lock:
         _take_in_returned()
-        return _free_total
+        total = _free_total
+    _drain()
+    return total

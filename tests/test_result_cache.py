@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -152,3 +153,84 @@ def test_bad_environment_value_is_one_clear_error(monkeypatch, raw):
     monkeypatch.setenv("FP8SIM_RESULT_CACHE_MB", raw)
     with pytest.raises(ValueError, match="FP8SIM_RESULT_CACHE_MB must be a number of MiB"):
         result_cache._limit_from_env()
+
+
+_REENTRY_SCRIPT = r"""
+import gc, sys
+import ml_dtypes
+import numpy as np
+import fp8sim
+from fp8sim import result_cache
+x = np.ones(1 << 22, np.float32)
+keep = [fp8sim.encode(x, "e4m3") for _ in range(3)]
+busy = [False]
+def cb(phase, info):
+    if phase == "start" and not busy[0]:
+        busy[0] = True
+        try:
+            result_cache.free_bytes()
+            fp8sim.encode(x, "e4m3")
+            result_cache.set_limit(result_cache.limit())
+            if info.get("generation") == 2:
+                result_cache.clear()
+        finally:
+            busy[0] = False
+gc.callbacks.append(cb)
+gc.set_threshold(1)
+for i in range(300):
+    y = fp8sim.encode(x, "e4m3")
+    assert int(y[0]) == 0x38 and int(y[-1]) == 0x38
+    del y
+    if i % 50 == 0:
+        result_cache.clear(); result_cache.free_bytes()
+gc.callbacks.clear()
+print("ok", result_cache.free_bytes() <= result_cache.limit())
+"""
+
+
+def test_reentry_from_gc_callbacks_neither_deadlocks_nor_corrupts():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _REENTRY_SCRIPT], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ok", "True"]
+
+
+def test_queued_blocks_are_taken_in_when_the_holder_lets_go():
+    r = fp8sim.encode(_data(8), "e4m3")
+    held = threading.Event()
+    go = threading.Event()
+
+    def holder():
+        with result_cache._lock:
+            held.set()
+            go.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(10)
+    del r  # the lock is busy in another thread: queued, not waited for
+    assert len(result_cache._returned) == 1
+    go.set()
+    t.join()
+    assert result_cache.free_bytes() == N
+
+
+def test_unusual_dtypes_and_the_lease_itself():
+    import copy
+    import pickle
+
+    a = result_cache.empty(N, object)  # never an old block's bytes read as pointers
+    assert not _cached(a) and a.dtype == object
+    b = result_cache.empty(N // 2, ml_dtypes.bfloat16)
+    assert b.dtype == ml_dtypes.bfloat16 and b.size == N // 2
+    c = result_cache.empty(N, np.float64)
+    assert _cached(c) and c.dtype == np.float64 and c.flags.writeable and c.flags.c_contiguous
+    lease = c.base
+    while isinstance(lease, np.ndarray):
+        lease = lease.base
+    for bad in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="lease cannot be"):
+            bad(lease)
