@@ -27,7 +27,7 @@ block by block, so the data is read from memory once and each variant's cast rea
 from L1. Inside a pass, a chunk is
 split into parts (by size) that the numba threads take in turn (``prange``), each part into
 L1-sized blocks whose loops are branch-free so LLVM vectorizes them; the cast works on float32
-bit patterns in 32-bit lanes (RNE as an integer or FPU add at the quantum; see :mod:`analysis.stats_kernels`).
+bit patterns in 32-bit lanes (RNE as an integer or FPU add at the quantum; see :mod:`analysis.stats_blocks`).
 
 Counts are exact (tests compare them with ``quantize_scaled`` + ``dequantize``); the two sums are
 float64 accumulations in a fixed order (within blocks of 1024 elements: squares of x in 64 lanes
@@ -307,14 +307,12 @@ def tensor_stats(
         log2[:] += lg
 
     # ---- pass A (only when a variant needs a just-in-time scale): the amaxes ----
-    tensor_amax = np.uint32(0)  # float32 bits, over the finite values
-    tensor_inf = 0
     need_a = bool(grans)
     for start in range(0, numel if need_a else 0, chunk):
         xc = read(start, min(numel, start + chunk))
         first_row = start // n
         last_row = (start + xc.size - 1) // n
-        # granularities the kernel tiles (tensor's amax comes from the chunk's own amax)
+        # granularities the kernel tiles (tensor's amax comes from the scan's amax)
         tiled = [k for k, g in enumerate(grans) if g.kind != "tensor"]
         gran = np.zeros((len(tiled), 4), np.int64)
         local_off = np.zeros(len(tiled) + 1, np.int64)
@@ -323,11 +321,9 @@ def tensor_stats(
             lo, hi = first_row // r, last_row // r
             gran[j] = (r, c, gc, lo)
             local_off[j + 1] = local_off[j] + (hi - lo + 1) * gc
-        ta, gam, gnn, scanned = _pass_a(xc, start, n, gran, local_off, int(local_off[-1]),
-                                        _parts(xc.size), scan=True)  # fmt: skip
+        gam, gnn, scanned = _pass_a(xc, start, n, gran, local_off, int(local_off[-1]),
+                                    _parts(xc.size))  # fmt: skip
         _add_scan(scanned)
-        tensor_amax = max(tensor_amax, np.uint32(ta[:, 0].max()))
-        tensor_inf += int(ta[:, 1].sum())
         for j, k in enumerate(tiled):
             a, b = int(local_off[j]), int(local_off[j + 1])
             lo = int(gran[j, 3]) * int(gran[j, 2])
@@ -337,8 +333,8 @@ def tensor_stats(
         if progress is not None:
             progress(xc.size)
     for k, g in enumerate(grans):
-        if g.kind == "tensor":  # NaN skipped, an inf counts (as quantize_scaled does)
-            g_amax[k][0] = np.uint32(0x7F800000) if tensor_inf else tensor_amax
+        if g.kind == "tensor":  # the finite amax, NaN skipped; an inf counts (as quantize_scaled)
+            g_amax[k][0] = np.uint32(0x7F800000) if counts[1] else np.uint32(amax_bits)
 
     # ---- pass B, with each chunk's scales from the scaling module's own rules ----
     # (scales are made per chunk, for the grid rows the chunk touches: an MX scale grid of a
