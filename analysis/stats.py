@@ -306,7 +306,7 @@ def tensor_stats(
         sig2[:] += sq
         log2[:] += lg
 
-    # ---- pass A (only when a variant needs a just-in-time scale): the amaxes ----
+    # ---- pass A (only when a variant needs a just-in-time scale): amaxes + the scan ----
     need_a = bool(grans)
     for start in range(0, numel if need_a else 0, chunk):
         xc = read(start, min(numel, start + chunk))
