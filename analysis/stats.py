@@ -30,8 +30,8 @@ L1-sized blocks whose loops are branch-free so LLVM vectorizes them; the cast wo
 bit patterns in 32-bit lanes (RNE as an integer or FPU add at the quantum; see :mod:`analysis.stats_blocks`).
 
 Counts are exact (tests compare them with ``quantize_scaled`` + ``dequantize``); the two sums are
-float64 accumulations in a fixed order (within blocks of 1024 elements: squares of x in 64 lanes
-summed pairwise, squared errors pairwise; then block by
+float64 accumulations in a fixed order (within blocks of 1024 elements: pairwise, the first
+levels in registers where the kernels read a block as four quarters; then block by
 block and part by part), equal to the exactly rounded sum to ~1e-12 relative, and independent of
 the thread count.
 """

@@ -15,10 +15,11 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from fp8sim._bitcast import add32, and32, shr32
+from fp8sim._bitcast import add32, and32, shr32, sub32
 from fp8sim._bitcast import bits_f32 as _bits_f32
 from fp8sim._bitcast import f32_bits as _f32_bits
-from fp8sim._jit import jit_serial
+from fp8sim._jit import jit_inline, jit_serial
+from fp8sim._prefetch import prefetch
 from fp8sim.abs_histogram import EXPONENT_MAX, EXPONENT_MIN
 
 #: log2|x| histogram bins (floor(log2 float32(|x|)) - EXPONENT_MIN; the ends are sentinels)
@@ -29,6 +30,9 @@ N_HIST_COPIES = 8
 
 #: elements per inner block: the block, its float64 scratch and the histogram copies stay in L1
 _BLOCK = 1024
+#: a full block is read as four quarters side by side, whose sums of squares fold in registers
+#: into the first two levels of the block's pairwise sum (:func:`_squares_full_block_f32`)
+_QUARTER = _BLOCK // 4
 _MAG = np.uint32(0x7FFFFFFF)  # float32 magnitude bits
 _MIN_NORMAL32 = np.uint32(0x00800000)  # bits of 2**-126
 _ONE = np.uint32(1)
@@ -58,26 +62,6 @@ def _pairwise_sum(buf, m):
     for k in range(m):
         s += buf[k]
     return s
-
-
-#: float64 lanes of a block's sum of squares: element k of a block adds into lane k % _LANES
-_LANES = 64
-
-
-@jit_serial
-def _lane_sum(buf, m, lanes):
-    """Sum of buf[:m] in the lane order: lane j adds buf[j], buf[j + 64], ... in turn (from
-    0.0), then the 64 lanes are summed pairwise (:func:`_pairwise_sum`). The float32 scan
-    accumulates its squares straight into lanes in this very order, so both give one value."""
-    lanes[:] = 0.0
-    q = m // _LANES
-    for i in range(q):
-        row = buf[i * _LANES : i * _LANES + _LANES]
-        for j in range(_LANES):
-            lanes[j] += row[j]
-    for k in range(q * _LANES, m):
-        lanes[k - q * _LANES] += buf[k]
-    return _pairwise_sum(lanes, _LANES)
 
 
 @jit_serial
@@ -114,7 +98,7 @@ def _byte_count(hist, b):
 
 
 @jit_serial
-def _scan_block(xs, buf, lanes, hist, hsub):
+def _scan_block(xs, buf, hist, hsub):
     """Format-independent figures of one block ``xs`` (float32 or float64, contiguous).
 
     A branch-free loop (vectorized): NaN/inf/zero counts, the max float32 bits of the finite |x|
@@ -161,18 +145,30 @@ def _scan_block(xs, buf, lanes, hist, hsub):
                     u >>= np.uint32(1)
                     e += 1
                 hsub[e - EXPONENT_MIN] += 1
-    return nan, inf, zero, mxb, _lane_sum(buf, m, lanes), sqh
+    return nan, inf, zero, mxb, _pairwise_sum(buf, m), sqh
+
+
+@jit_inline
+def _round_bits(ux, sc, shift, half_m1, keep, minnorm_bits, csub):
+    """The float32 bits of ``float32(float32(|x|) * sc)`` rounded to nearest even on the format's
+    grid, before saturation (``ux``: the bits of float32 |x|). In the normal range the rounding
+    to m mantissa bits is the integer add ``(u + 2**(shift-1) - 1 + lsb) & keep`` (a carry moves
+    into the exponent as it should); below ``min_normal`` the quantum is fixed and
+    ``(a + csub) - csub`` rounds to it in float32 (csub = 2**(emin - m + 23)). Non-decreasing in
+    ``ux`` for a positive finite ``sc`` (what :func:`_cast_thresholds` relies on)."""
+    a = np.float32(_bits_f32(ux) * sc)
+    u = _f32_bits(a)
+    ur = and32(add32(add32(u, half_m1), and32(shr32(u, shift), _ONE)), keep)
+    us = _f32_bits((a + csub) - csub)
+    return us if u < minnorm_bits else ur
 
 
 @jit_serial
 def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf):
     """The saturating RNE cast ``float32(float32(x) * sc)`` of one block and its figures.
 
-    Works on float32 bit patterns: in the normal range the RNE rounding to m mantissa bits is the
-    integer add ``(u + 2**(shift-1) - 1 + lsb) & keep`` (a carry moves into the exponent as it
-    should); below ``min_normal`` the quantum is fixed and ``(a + csub) - csub`` rounds to it in
-    float32 (csub = 2**(emin - m + 23)). Overflow: the rounded bits exceed max's bits (an inf
-    product too). Branch-free so LLVM vectorizes it. Leaves ``(deq - x)^2`` of each element in
+    Works on float32 bit patterns (:func:`_round_bits`). Overflow: the rounded bits exceed max's
+    bits (an inf product too). Branch-free so LLVM vectorizes it. Leaves ``(deq - x)^2`` of each element in
     ``buf[:m]`` (0 for NaN/inf inputs; the caller sums a whole block at once) and returns
     (overflow, underflow, subnormal, the "high" sum of squares too large for float64).
     """
@@ -184,11 +180,8 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
     for k in range(m):
         ax = abs(np.float64(xs[k]))
         fin = ax < np.inf
-        a = np.float32(_bits_f32(and32(_f32_bits(np.float32(xs[k])), _MAG)) * sc)
-        u = _f32_bits(a)
-        ur = and32(add32(add32(u, half_m1), and32(shr32(u, shift), _ONE)), keep)
-        us = _f32_bits((a + csub) - csub)
-        qb = us if u < minnorm_bits else ur
+        ux = and32(_f32_bits(np.float32(xs[k])), _MAG)
+        qb = _round_bits(ux, sc, shift, half_m1, keep, minnorm_bits, csub)
         ovb = fin & (qb > max_bits)
         over = add32(over, ovb)
         under = add32(under, fin & (qb == np.uint32(0)) & (ax != 0.0))
@@ -203,11 +196,8 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
             ax = abs(np.float64(xs[k]))
             if not ax < np.inf:
                 continue
-            a = np.float32(np.float32(ax) * sc)
-            u = _f32_bits(a)
-            ur = and32(add32(add32(u, half_m1), and32(shr32(u, shift), _ONE)), keep)
-            us = _f32_bits((a + csub) - csub)
-            qb = us if u < minnorm_bits else ur
+            ux = _f32_bits(np.float32(ax))
+            qb = _round_bits(ux, sc, shift, half_m1, keep, minnorm_bits, csub)
             qb = max_bits if qb > max_bits else qb
             d = abs(np.float64(np.float32(_bits_f32(qb) * si)) - ax)
             if d >= _BIG:
@@ -224,7 +214,30 @@ _MINUS1 = np.uint32(0xFFFFFFFF)
 
 
 @jit_serial
-def _scan_block_f32(xs, buf, lanes, hist, hsub):
+def _squares_full_block_f32(xs, buf):
+    """(max float32 bits of |x|, the sum of x^2) of a full float32 block without NaN/inf: the
+    value :func:`_pairwise_sum` gives over the squares, its first two levels done in registers
+    (element k with k + 256, k + 512 and k + 768, as :func:`_cast_full_block_f32`; the block is
+    in L1 already, the exponent bytes having been counted)."""
+    x0 = xs[:_QUARTER]
+    x1 = xs[_QUARTER : 2 * _QUARTER]
+    x2 = xs[2 * _QUARTER : 3 * _QUARTER]
+    x3 = xs[3 * _QUARTER : 4 * _QUARTER]
+    mxb = np.uint32(0)
+    for k in range(_QUARTER):
+        m01 = max(and32(_f32_bits(x0[k]), _MAG), and32(_f32_bits(x1[k]), _MAG))
+        m23 = max(and32(_f32_bits(x2[k]), _MAG), and32(_f32_bits(x3[k]), _MAG))
+        mxb = max(mxb, max(m01, m23))
+        v0 = np.float64(x0[k])
+        v1 = np.float64(x1[k])
+        v2 = np.float64(x2[k])
+        v3 = np.float64(x3[k])
+        buf[k] = (v0 * v0 + v2 * v2) + (v1 * v1 + v3 * v3)
+    return mxb, _pairwise_sum(buf, _QUARTER)
+
+
+@jit_serial
+def _scan_block_f32(xs, buf, hist, hsub):
     """:func:`_scan_block` for float32 blocks (the same results, fewer operations).
 
     The exponent bytes are counted first: byte 255 holds exactly the NaNs and infs, byte 0 the
@@ -248,21 +261,15 @@ def _scan_block_f32(xs, buf, lanes, hist, hsub):
             mxb = max(mxb, u if fin else np.uint32(0))
             v = np.float64(xs[k] if fin else np.float32(0))
             buf[k] = v * v
-        sq = _lane_sum(buf, m, lanes)
-    else:  # squares straight into the lanes (the order of _lane_sum), rows of 64 vectorized
-        lanes[:] = 0.0
-        q = m // _LANES
-        for i in range(q):
-            row = xs[i * _LANES : i * _LANES + _LANES]
-            for j in range(_LANES):
-                mxb = max(mxb, and32(_f32_bits(row[j]), _MAG))
-                v = np.float64(row[j])
-                lanes[j] += v * v
-        for k in range(q * _LANES, m):
+        sq = _pairwise_sum(buf, m)
+    elif m == _BLOCK:
+        mxb, sq = _squares_full_block_f32(xs, buf)
+    else:
+        for k in range(m):
             mxb = max(mxb, and32(_f32_bits(xs[k]), _MAG))
             v = np.float64(xs[k])
-            lanes[k - q * _LANES] += v * v
-        sq = _pairwise_sum(lanes, _LANES)
+            buf[k] = v * v
+        sq = _pairwise_sum(buf, m)
     if n_low:
         for k in range(m):
             zero += np.int64(and32(_f32_bits(xs[k]), _MAG) == np.uint32(0))
@@ -319,7 +326,113 @@ def _cast_block_f32(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, cs
     return np.uint32(0), under, sub, 0.0
 
 
-def _scan(xs, buf, lanes, hist, hsub):
+_LARGEST_FINITE = np.uint32(0x7F7FFFFF)  # bits of float32's max
+
+
+@jit_serial
+def _last_below(limit, sc, shift, half_m1, keep, minnorm_bits, csub):
+    """The largest finite float32 magnitude bits ``ux`` whose :func:`_round_bits` is below
+    ``limit`` (a bisection: the rounding is non-decreasing in ``ux``, and 0 rounds to 0)."""
+    lo = np.uint32(0)
+    hi = _LARGEST_FINITE
+    if _round_bits(hi, sc, shift, half_m1, keep, minnorm_bits, csub) < limit:
+        return hi
+    while hi - lo > np.uint32(1):  # invariant: lo below the limit, hi not
+        mid = np.uint32(lo + (hi - lo) // np.uint32(2))
+        if _round_bits(mid, sc, shift, half_m1, keep, minnorm_bits, csub) < limit:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@jit_serial
+def _cast_thresholds(sc, shift, half_m1, keep, max_bits, minnorm_bits, csub, out):
+    """The cast's figures of a float32 as thresholds on its magnitude bits ``ux``, for one
+    positive finite scale ``sc``: ``out[0]`` the largest ux that rounds to 0, ``out[1]`` the
+    largest that rounds below ``min_normal``, ``out[2]`` the largest that does not overflow.
+    So, for finite x: underflow iff 0 < ux <= out[0], subnormal iff out[0] < ux <= out[1],
+    overflow iff ux > out[2] (exactly :func:`_cast_block`'s tests)."""
+    out[0] = _last_below(np.uint32(1), sc, shift, half_m1, keep, minnorm_bits, csub)
+    out[1] = _last_below(minnorm_bits, sc, shift, half_m1, keep, minnorm_bits, csub)
+    out[2] = _last_below(np.uint32(max_bits + np.uint32(1)), sc, shift, half_m1, keep,
+                         minnorm_bits, csub)  # fmt: skip
+
+
+@jit_inline
+def _err_sq_f32(ux, sc, si, c_add, c_min):
+    """``(deq - |x|)^2`` (float64, exact) of one float32 magnitude ``ux`` that does not overflow,
+    through the float32 rounding of :func:`_cast_block_f32` (see there)."""
+    a = np.float32(_bits_f32(ux) * sc)
+    c = _bits_f32(max(add32(and32(_f32_bits(a), _INF_BITS), c_add), c_min))
+    dd = np.float64(np.float32(np.float32(((a + c) - c) * si) - _bits_f32(ux)))
+    return dd * dd
+
+
+#: elements of a float32 cache line (64 bytes)
+_LINE32 = 16
+
+
+@jit_serial
+def _cast_full_block_f32(xs, nxt, sc, si, shift, thr, csub, buf):
+    """One full float32 block (``_BLOCK`` elements) under one scale, with the thresholds ``thr``
+    of :func:`_cast_thresholds`: (ok, underflow, subnormal, sum of (deq - x)^2).
+
+    The counts are comparisons of ``ux`` against the thresholds (no rounded value needed); the
+    squared errors are :func:`_cast_block_f32`'s. Element k is taken with k + 256, k + 512 and
+    k + 768, and ``buf[k]`` gets ``(e[k] + e[k+512]) + (e[k+256] + e[k+768])``: the first two
+    levels of :func:`_pairwise_sum` over the block, done in registers, so the sum is the very
+    value ``_pairwise_sum(errors, _BLOCK)`` gives. ok is False when an element overflows or is
+    NaN/inf (its ux exceeds ``thr[2]``): the caller then takes :func:`_cast_block`.
+
+    The hardware prefetcher does not follow four short streams side by side, so the loop asks
+    for the cache lines of ``nxt`` (the next block, or an empty slice) as it goes: four lines
+    every 16 steps, the whole of a block by the end (measured: without it the kernel reading
+    from memory took twice its time from cache).
+    """
+    t0 = np.uint32(thr[0])
+    span = np.uint32(thr[1] - thr[0])
+    t0p1 = np.uint32(thr[0] + 1)
+    c_min = _f32_bits(csub)
+    c_add = np.uint32(shift << np.uint32(23))
+    x0 = xs[:_QUARTER]
+    x1 = xs[_QUARTER : 2 * _QUARTER]
+    x2 = xs[2 * _QUARTER : 3 * _QUARTER]
+    x3 = xs[3 * _QUARTER : 4 * _QUARTER]
+    n_next = nxt.size
+    under = np.uint32(0)
+    sub = np.uint32(0)
+    top = np.uint32(0)
+    for g in range(0, _QUARTER, 16):
+        if n_next:
+            for j in range(4):
+                prefetch(nxt, min(n_next - 1, 4 * g + _LINE32 * j))
+        for k in range(g, g + 16):
+            u0 = and32(_f32_bits(x0[k]), _MAG)
+            u1 = and32(_f32_bits(x1[k]), _MAG)
+            u2 = and32(_f32_bits(x2[k]), _MAG)
+            u3 = and32(_f32_bits(x3[k]), _MAG)
+            top = max(top, max(max(u0, u1), max(u2, u3)))
+            # 0 < ux <= t0 and t0 < ux <= t1, each as one unsigned comparison (wrapping)
+            under = add32(under, add32(u0, _MINUS1) < t0)
+            under = add32(under, add32(u1, _MINUS1) < t0)
+            under = add32(under, add32(u2, _MINUS1) < t0)
+            under = add32(under, add32(u3, _MINUS1) < t0)
+            sub = add32(sub, sub32(u0, t0p1) < span)
+            sub = add32(sub, sub32(u1, t0p1) < span)
+            sub = add32(sub, sub32(u2, t0p1) < span)
+            sub = add32(sub, sub32(u3, t0p1) < span)
+            e0 = _err_sq_f32(u0, sc, si, c_add, c_min)
+            e1 = _err_sq_f32(u1, sc, si, c_add, c_min)
+            e2 = _err_sq_f32(u2, sc, si, c_add, c_min)
+            e3 = _err_sq_f32(u3, sc, si, c_add, c_min)
+            buf[k] = (e0 + e2) + (e1 + e3)
+    if top > np.uint32(thr[2]):
+        return False, np.uint32(0), np.uint32(0), 0.0
+    return True, under, sub, _pairwise_sum(buf, _QUARTER)
+
+
+def _scan(xs, buf, hist, hsub):
     """:func:`_scan_block` or, for float32 blocks, :func:`_scan_block_f32` (chosen at compile
     time, inside numba code only)."""
     raise NotImplementedError("numba-only dispatcher")
@@ -332,9 +445,9 @@ def _cast(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf, f
 
 
 @overload(_scan)
-def _scan_impl(xs, buf, lanes, hist, hsub):
+def _scan_impl(xs, buf, hist, hsub):
     kernel = _scan_block_f32 if xs.dtype == types.float32 else _scan_block
-    return lambda xs, buf, lanes, hist, hsub: kernel(xs, buf, lanes, hist, hsub)
+    return lambda xs, buf, hist, hsub: kernel(xs, buf, hist, hsub)
 
 
 @overload(_cast)
@@ -351,6 +464,22 @@ def _cast_impl(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, b
         return _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf)
 
     return impl
+
+
+def _cast_full(xs, nxt, sc, si, shift, thr, csub, buf):
+    """:func:`_cast_full_block_f32` for a float32 block; for float64 blocks a constant "not
+    taken" (numba code only)."""
+    raise NotImplementedError("numba-only dispatcher")
+
+
+@overload(_cast_full)
+def _cast_full_impl(xs, nxt, sc, si, shift, thr, csub, buf):
+    if xs.dtype == types.float32:
+        return lambda xs, nxt, sc, si, shift, thr, csub, buf: _cast_full_block_f32(
+            xs, nxt, sc, si, shift, thr, csub, buf
+        )
+    return lambda xs, nxt, sc, si, shift, thr, csub, buf: (False, np.uint32(0), np.uint32(0),
+                                                           0.0)  # fmt: skip
 
 
 @jit_serial

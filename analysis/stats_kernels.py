@@ -20,8 +20,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from analysis.stats_blocks import _BLOCK, _HIGH_EXP, _LANES, N_HIST_COPIES, N_LOG2
-from analysis.stats_blocks import _cast, _pairwise_sum, _scan, _tile_amax
+from analysis.stats_blocks import _BLOCK, _HIGH_EXP, N_HIST_COPIES, N_LOG2
+from analysis.stats_blocks import _cast, _cast_full, _cast_thresholds, _pairwise_sum, _scan
+from analysis.stats_blocks import _tile_amax
 from fp8sim._jit import jit_kernel, jit_serial
 from fp8sim.abs_histogram import EXPONENT_MIN
 
@@ -42,13 +43,13 @@ def _run(kernel, *args) -> None:
 
 
 @jit_serial
-def _scan_range(x, s, e, buf, lanes, base, sig2, hist, hsub):
+def _scan_range(x, s, e, buf, base, sig2, hist, hsub):
     """The format-independent figures of elements [s, e), block by block (``_BLOCK`` elements
     from s), added into base (nan, inf, zero, max float32 bits of the finite |x|), sig2 (low,
     high sum of x^2), hist and hsub (see :func:`analysis.stats_blocks._scan_block`)."""
     for b0 in range(s, e, _BLOCK):
         b1 = min(e, b0 + _BLOCK)
-        n1, n2, n3, mb, q, qh = _scan(x[b0:b1], buf, lanes, hist, hsub)
+        n1, n2, n3, mb, q, qh = _scan(x[b0:b1], buf, hist, hsub)
         base[0] += n1
         base[1] += n2
         base[2] += n3
@@ -60,8 +61,7 @@ def _scan_range(x, s, e, buf, lanes, base, sig2, hist, hsub):
 @jit_serial
 def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, base, sig2, hist, hsub):
     """Pass A over elements [s, e) of the chunk: see :func:`_pass_a`."""
-    _scan_range(x, s, e, np.empty(_BLOCK, np.float64), np.empty(_LANES, np.float64), base, sig2,
-                hist, hsub)  # fmt: skip
+    _scan_range(x, s, e, np.empty(_BLOCK, np.float64), base, sig2, hist, hsub)
     if gran.shape[0] == 0:
         return
     i = s
@@ -145,12 +145,35 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, his
             err2):  # fmt: skip
     """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
     buf = np.empty(_BLOCK, np.float64)
-    lanes = np.empty(_LANES, np.float64)
+    # variants with one positive finite scale for the whole tensor: their figures as thresholds
+    # on |x|'s bits, for the full-block kernel (float32 input, formats _cast_block_f32 takes)
+    nv = vint.shape[0]
+    thr = np.zeros((nv, 3), np.int64)
+    full = np.zeros(nv, np.bool_)
+    for v in range(nv):
+        sc = scales[vint[v, 3]]
+        si = sinvs[vint[v, 3]]
+        if vint[v, 8] != 0 and vint[v, 9] != 0 and 0 < sc < np.inf and 0 < si < np.inf:
+            full[v] = True
+            _cast_thresholds(sc, np.uint32(vint[v, 4]), np.uint32((1 << (vint[v, 4] - 1)) - 1),
+                             ~np.uint32((1 << vint[v, 4]) - 1), np.uint32(vint[v, 5]),
+                             np.uint32(vint[v, 6]), np.float32(vflt[v, 0]), thr[v])  # fmt: skip
     for b0 in range(s, e, _BLOCK):
         b1 = min(e, b0 + _BLOCK)
+        nxt = x[b1 : min(e, b1 + _BLOCK)]  # the first full-block cast prefetches it
         if scan:
-            _scan_range(x, b0, b1, buf, lanes, base, sig2, hist, hsub)
-        for v in range(vint.shape[0]):
+            _scan_range(x, b0, b1, buf, base, sig2, hist, hsub)
+        for v in range(nv):
+            if full[v] and b1 - b0 == _BLOCK:
+                ok, u, sb, q = _cast_full(x[b0:b1], nxt, scales[vint[v, 3]], sinvs[vint[v, 3]],
+                                          np.uint32(vint[v, 4]), thr[v], np.float32(vflt[v, 0]),
+                                          buf)  # fmt: skip
+                nxt = x[b1:b1]  # asked for once
+                if ok:
+                    counts[v, 1] += u
+                    counts[v, 2] += sb
+                    err2[v, 0] += q
+                    continue
             R = vint[v, 0]
             C = vint[v, 1]
             Gc = vint[v, 2]
