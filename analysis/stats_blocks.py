@@ -15,11 +15,10 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from fp8sim._bitcast import add32, and32, shr32, sub32
+from fp8sim._bitcast import add32, and32, shr32
 from fp8sim._bitcast import bits_f32 as _bits_f32
 from fp8sim._bitcast import f32_bits as _f32_bits
 from fp8sim._jit import jit_inline, jit_serial
-from fp8sim._prefetch import prefetch
 from fp8sim.abs_histogram import EXPONENT_MAX, EXPONENT_MIN
 
 #: log2|x| histogram bins (floor(log2 float32(|x|)) - EXPONENT_MIN; the ends are sentinels)
@@ -217,7 +216,7 @@ _MINUS1 = np.uint32(0xFFFFFFFF)
 def _squares_full_block_f32(xs, buf):
     """(max float32 bits of |x|, the sum of x^2) of a full float32 block without NaN/inf: the
     value :func:`_pairwise_sum` gives over the squares, its first two levels done in registers
-    (element k with k + 256, k + 512 and k + 768, as :func:`_cast_full_block_f32`; the block is
+    (element k with k + 256, k + 512 and k + 768, as :mod:`analysis.stats_full`'s casts; the block is
     in L1 already, the exponent bytes having been counted)."""
     x0 = xs[:_QUARTER]
     x1 = xs[_QUARTER : 2 * _QUARTER]
@@ -326,112 +325,6 @@ def _cast_block_f32(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, cs
     return np.uint32(0), under, sub, 0.0
 
 
-_LARGEST_FINITE = np.uint32(0x7F7FFFFF)  # bits of float32's max
-
-
-@jit_serial
-def _last_below(limit, sc, shift, half_m1, keep, minnorm_bits, csub):
-    """The largest finite float32 magnitude bits ``ux`` whose :func:`_round_bits` is below
-    ``limit`` (a bisection: the rounding is non-decreasing in ``ux``, and 0 rounds to 0)."""
-    lo = np.uint32(0)
-    hi = _LARGEST_FINITE
-    if _round_bits(hi, sc, shift, half_m1, keep, minnorm_bits, csub) < limit:
-        return hi
-    while hi - lo > np.uint32(1):  # invariant: lo below the limit, hi not
-        mid = np.uint32(lo + (hi - lo) // np.uint32(2))
-        if _round_bits(mid, sc, shift, half_m1, keep, minnorm_bits, csub) < limit:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@jit_serial
-def _cast_thresholds(sc, shift, half_m1, keep, max_bits, minnorm_bits, csub, out):
-    """The cast's figures of a float32 as thresholds on its magnitude bits ``ux``, for one
-    positive finite scale ``sc``: ``out[0]`` the largest ux that rounds to 0, ``out[1]`` the
-    largest that rounds below ``min_normal``, ``out[2]`` the largest that does not overflow.
-    So, for finite x: underflow iff 0 < ux <= out[0], subnormal iff out[0] < ux <= out[1],
-    overflow iff ux > out[2] (exactly :func:`_cast_block`'s tests)."""
-    out[0] = _last_below(np.uint32(1), sc, shift, half_m1, keep, minnorm_bits, csub)
-    out[1] = _last_below(minnorm_bits, sc, shift, half_m1, keep, minnorm_bits, csub)
-    out[2] = _last_below(np.uint32(max_bits + np.uint32(1)), sc, shift, half_m1, keep,
-                         minnorm_bits, csub)  # fmt: skip
-
-
-@jit_inline
-def _err_sq_f32(ux, sc, si, c_add, c_min):
-    """``(deq - |x|)^2`` (float64, exact) of one float32 magnitude ``ux`` that does not overflow,
-    through the float32 rounding of :func:`_cast_block_f32` (see there)."""
-    a = np.float32(_bits_f32(ux) * sc)
-    c = _bits_f32(max(add32(and32(_f32_bits(a), _INF_BITS), c_add), c_min))
-    dd = np.float64(np.float32(np.float32(((a + c) - c) * si) - _bits_f32(ux)))
-    return dd * dd
-
-
-#: elements of a float32 cache line (64 bytes)
-_LINE32 = 16
-
-
-@jit_serial
-def _cast_full_block_f32(xs, nxt, sc, si, shift, thr, csub, buf):
-    """One full float32 block (``_BLOCK`` elements) under one scale, with the thresholds ``thr``
-    of :func:`_cast_thresholds`: (ok, underflow, subnormal, sum of (deq - x)^2).
-
-    The counts are comparisons of ``ux`` against the thresholds (no rounded value needed); the
-    squared errors are :func:`_cast_block_f32`'s. Element k is taken with k + 256, k + 512 and
-    k + 768, and ``buf[k]`` gets ``(e[k] + e[k+512]) + (e[k+256] + e[k+768])``: the first two
-    levels of :func:`_pairwise_sum` over the block, done in registers, so the sum is the very
-    value ``_pairwise_sum(errors, _BLOCK)`` gives. ok is False when an element overflows or is
-    NaN/inf (its ux exceeds ``thr[2]``): the caller then takes :func:`_cast_block`.
-
-    The hardware prefetcher does not follow four short streams side by side, so the loop asks
-    for the cache lines of ``nxt`` (the next block, or an empty slice) as it goes: four lines
-    every 16 steps, the whole of a block by the end (measured: without it the kernel reading
-    from memory took twice its time from cache).
-    """
-    t0 = np.uint32(thr[0])
-    span = np.uint32(thr[1] - thr[0])
-    t0p1 = np.uint32(thr[0] + 1)
-    c_min = _f32_bits(csub)
-    c_add = np.uint32(shift << np.uint32(23))
-    x0 = xs[:_QUARTER]
-    x1 = xs[_QUARTER : 2 * _QUARTER]
-    x2 = xs[2 * _QUARTER : 3 * _QUARTER]
-    x3 = xs[3 * _QUARTER : 4 * _QUARTER]
-    n_next = nxt.size
-    under = np.uint32(0)
-    sub = np.uint32(0)
-    top = np.uint32(0)
-    for g in range(0, _QUARTER, 16):
-        if n_next:
-            for j in range(4):
-                prefetch(nxt, min(n_next - 1, 4 * g + _LINE32 * j))
-        for k in range(g, g + 16):
-            u0 = and32(_f32_bits(x0[k]), _MAG)
-            u1 = and32(_f32_bits(x1[k]), _MAG)
-            u2 = and32(_f32_bits(x2[k]), _MAG)
-            u3 = and32(_f32_bits(x3[k]), _MAG)
-            top = max(top, max(max(u0, u1), max(u2, u3)))
-            # 0 < ux <= t0 and t0 < ux <= t1, each as one unsigned comparison (wrapping)
-            under = add32(under, add32(u0, _MINUS1) < t0)
-            under = add32(under, add32(u1, _MINUS1) < t0)
-            under = add32(under, add32(u2, _MINUS1) < t0)
-            under = add32(under, add32(u3, _MINUS1) < t0)
-            sub = add32(sub, sub32(u0, t0p1) < span)
-            sub = add32(sub, sub32(u1, t0p1) < span)
-            sub = add32(sub, sub32(u2, t0p1) < span)
-            sub = add32(sub, sub32(u3, t0p1) < span)
-            e0 = _err_sq_f32(u0, sc, si, c_add, c_min)
-            e1 = _err_sq_f32(u1, sc, si, c_add, c_min)
-            e2 = _err_sq_f32(u2, sc, si, c_add, c_min)
-            e3 = _err_sq_f32(u3, sc, si, c_add, c_min)
-            buf[k] = (e0 + e2) + (e1 + e3)
-    if top > np.uint32(thr[2]):
-        return False, np.uint32(0), np.uint32(0), 0.0
-    return True, under, sub, _pairwise_sum(buf, _QUARTER)
-
-
 def _scan(xs, buf, hist, hsub):
     """:func:`_scan_block` or, for float32 blocks, :func:`_scan_block_f32` (chosen at compile
     time, inside numba code only)."""
@@ -464,22 +357,6 @@ def _cast_impl(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, b
         return _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf)
 
     return impl
-
-
-def _cast_full(xs, nxt, sc, si, shift, thr, csub, buf):
-    """:func:`_cast_full_block_f32` for a float32 block; for float64 blocks a constant "not
-    taken" (numba code only)."""
-    raise NotImplementedError("numba-only dispatcher")
-
-
-@overload(_cast_full)
-def _cast_full_impl(xs, nxt, sc, si, shift, thr, csub, buf):
-    if xs.dtype == types.float32:
-        return lambda xs, nxt, sc, si, shift, thr, csub, buf: _cast_full_block_f32(
-            xs, nxt, sc, si, shift, thr, csub, buf
-        )
-    return lambda xs, nxt, sc, si, shift, thr, csub, buf: (False, np.uint32(0), np.uint32(0),
-                                                           0.0)  # fmt: skip
 
 
 @jit_serial

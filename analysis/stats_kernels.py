@@ -21,8 +21,8 @@ import numba
 import numpy as np
 
 from analysis.stats_blocks import _BLOCK, _HIGH_EXP, N_HIST_COPIES, N_LOG2
-from analysis.stats_blocks import _cast, _cast_full, _cast_thresholds, _pairwise_sum, _scan
-from analysis.stats_blocks import _tile_amax
+from analysis.stats_blocks import _cast, _pairwise_sum, _scan, _tile_amax
+from analysis.stats_full import _cast_full, _cast_full_pair, _cast_thresholds
 from fp8sim._jit import jit_kernel, jit_serial
 from fp8sim.abs_histogram import EXPONENT_MIN
 
@@ -145,35 +145,62 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, his
             err2):  # fmt: skip
     """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
     buf = np.empty(_BLOCK, np.float64)
-    # variants with one positive finite scale for the whole tensor: their figures as thresholds
-    # on |x|'s bits, for the full-block kernel (float32 input, formats _cast_block_f32 takes)
+    buf_b = np.empty(_BLOCK, np.float64)
+    # variants with one positive finite scale for the whole tensor, in formats _cast_block_f32
+    # takes: their full float32 blocks go to analysis.stats_full's kernels, two variants a read
     nv = vint.shape[0]
+    full = np.zeros(nv, np.int64)
+    n_full = 0
     thr = np.zeros((nv, 3), np.int64)
-    full = np.zeros(nv, np.bool_)
+    f_sc = np.zeros(nv, np.float32)
+    f_si = np.zeros(nv, np.float32)
+    f_shift = np.zeros(nv, np.uint32)
+    f_csub = np.zeros(nv, np.float32)
     for v in range(nv):
         sc = scales[vint[v, 3]]
         si = sinvs[vint[v, 3]]
         if vint[v, 8] != 0 and vint[v, 9] != 0 and 0 < sc < np.inf and 0 < si < np.inf:
-            full[v] = True
-            _cast_thresholds(sc, np.uint32(vint[v, 4]), np.uint32((1 << (vint[v, 4] - 1)) - 1),
+            full[n_full] = v
+            n_full += 1
+            f_sc[v], f_si[v] = sc, si
+            f_shift[v] = np.uint32(vint[v, 4])
+            f_csub[v] = np.float32(vflt[v, 0])
+            _cast_thresholds(sc, f_shift[v], np.uint32((1 << (vint[v, 4] - 1)) - 1),
                              ~np.uint32((1 << vint[v, 4]) - 1), np.uint32(vint[v, 5]),
-                             np.uint32(vint[v, 6]), np.float32(vflt[v, 0]), thr[v])  # fmt: skip
+                             np.uint32(vint[v, 6]), f_csub[v], thr[v])  # fmt: skip
+    done = np.zeros(nv, np.bool_)  # variants whose figures of the current block are taken
     for b0 in range(s, e, _BLOCK):
         b1 = min(e, b0 + _BLOCK)
-        nxt = x[b1 : min(e, b1 + _BLOCK)]  # the first full-block cast prefetches it
         if scan:
             _scan_range(x, b0, b1, buf, base, sig2, hist, hsub)
-        for v in range(nv):
-            if full[v] and b1 - b0 == _BLOCK:
-                ok, u, sb, q = _cast_full(x[b0:b1], nxt, scales[vint[v, 3]], sinvs[vint[v, 3]],
-                                          np.uint32(vint[v, 4]), thr[v], np.float32(vflt[v, 0]),
-                                          buf)  # fmt: skip
+        done[:] = False
+        if b1 - b0 == _BLOCK:
+            nxt = x[b1 : min(e, b1 + _BLOCK)]  # prefetched by the first kernel
+            for j in range(0, n_full, 2):
+                a = full[j]
+                if j + 1 < n_full:
+                    b = full[j + 1]
+                    top, ua, sa, ea, ub, sb, eb = _cast_full_pair(
+                        x[b0:b1], nxt, f_sc[a], f_si[a], f_shift[a], f_csub[a], thr[a],
+                        f_sc[b], f_si[b], f_shift[b], f_csub[b], thr[b], buf, buf_b,
+                    )  # fmt: skip
+                    if top <= thr[b, 2]:  # no overflow, NaN or inf for b
+                        counts[b, 1] += ub
+                        counts[b, 2] += sb
+                        err2[b, 0] += eb
+                        done[b] = True
+                else:
+                    top, ua, sa, ea = _cast_full(x[b0:b1], nxt, f_sc[a], f_si[a], f_shift[a],
+                                                 f_csub[a], thr[a], buf)  # fmt: skip
+                if top <= thr[a, 2]:
+                    counts[a, 1] += ua
+                    counts[a, 2] += sa
+                    err2[a, 0] += ea
+                    done[a] = True
                 nxt = x[b1:b1]  # asked for once
-                if ok:
-                    counts[v, 1] += u
-                    counts[v, 2] += sb
-                    err2[v, 0] += q
-                    continue
+        for v in range(nv):
+            if done[v]:
+                continue
             R = vint[v, 0]
             C = vint[v, 1]
             Gc = vint[v, 2]

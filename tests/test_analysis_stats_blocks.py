@@ -1,4 +1,5 @@
-"""analysis.stats_blocks: the full-block float32 kernels against independent references.
+"""analysis.stats_full (and the scan's full-block sum in analysis.stats_blocks) against
+independent references.
 
 The cast figures as thresholds on |x|'s bits (checked against a numpy RNE rounding, frexp/rint/
 ldexp, on both sides of every threshold), the full-block cast against the general kernel (bit for
@@ -13,14 +14,8 @@ import numpy as np
 import pytest
 
 import fp8sim
-from analysis.stats_blocks import (
-    _BLOCK,
-    _cast_block,
-    _cast_full_block_f32,
-    _cast_thresholds,
-    _pairwise_sum,
-    _squares_full_block_f32,
-)
+from analysis.stats_blocks import _BLOCK, _cast_block, _pairwise_sum, _squares_full_block_f32
+from analysis.stats_full import _cast_full_block_f32, _cast_full_pair_f32, _cast_thresholds
 
 FORMATS = ["e4m3", "e5m2", "e3m4", "e4m3fnuz", "e5m2fnuz", "e2m1", "e3m2", "e2m3"]
 
@@ -112,7 +107,9 @@ def test_full_block_cast_equals_the_general_kernel(name, kind):
                 at = q * (_BLOCK // 4) + rng.choice(_BLOCK // 4, edges.size, replace=False)
                 xb[at] = edges.view(np.float32) * rng.choice([-1, 1], edges.size).astype(np.float32)
             nxt = x[::-1].copy() if trial % 2 else x[:0]  # what it prefetches changes nothing
-            ok, under, sub, err = _cast_full_block_f32(xb, nxt, sc, si, shift, thr, csub, buf)
+            top, under, sub, err = _cast_full_block_f32(xb, nxt, sc, si, shift, csub, thr, buf)
+            ok = top <= thr[2]
+            assert top == np.abs(xb).view(np.uint32).max()
             over, u2, s2, qh = _cast_block(xb, sc, si, shift, half_m1, keep, max_bits, mn_bits,
                                            csub, buf2)  # fmt: skip
             # handed back exactly when the general kernel sees an overflow, a NaN or an inf
@@ -138,3 +135,25 @@ def test_full_block_squares_equal_the_pairwise_sum():
         assert mxb == np.abs(x).max().view(np.uint32)
         assert sq == _pairwise_sum(x64 * x64, _BLOCK)  # bit for bit
         assert sq == pytest.approx(math.fsum((x64 * x64).tolist()), rel=1e-14)
+
+
+@pytest.mark.parametrize("pair", [("e4m3", "e5m2"), ("e2m1", "e4m3fnuz"), ("e3m4", "e3m4")])
+def test_paired_cast_equals_two_single_casts(pair):
+    # two variants in one read: each one's figures are the single kernel's, bit for bit
+    rng = np.random.default_rng(4)
+    fmts = [fp8sim.get_format(n) for n in pair]
+    bufs = [np.zeros(_BLOCK) for _ in range(4)]
+    for trial in range(8):
+        x = _block(rng, "overflow" if trial == 7 else "plain")
+        amax = np.float32(np.abs(x).max())
+        args = []
+        for f, extra in zip(fmts, (1.0, 0.37)):
+            shift, half_m1, keep, max_bits, mn_bits, csub = _params(f)
+            sc = np.float32(np.float32(f.max) / amax * np.float32(extra))
+            thr = np.zeros(3, np.int64)
+            _cast_thresholds(sc, shift, half_m1, keep, max_bits, mn_bits, csub, thr)
+            args.append((sc, np.float32(1) / sc, shift, csub, thr))
+        top, ua, sa, ea, ub, sb, eb = _cast_full_pair_f32(x, x[:0], *args[0], *args[1], bufs[0], bufs[1])
+        one_a = _cast_full_block_f32(x, x[:0], *args[0], bufs[2])
+        one_b = _cast_full_block_f32(x, x[:0], *args[1], bufs[3])
+        assert (top, ua, sa, ea) == one_a and (top, ub, sb, eb) == one_b
