@@ -373,7 +373,7 @@ def tensor_stats(
         mult = scale_from_amax(gam, v.fmt, margin=v.margin, pow2=v.pow2).reshape(-1)
         return mult, (np.float32(1) / mult).astype(np.float32)
 
-    vcounts = np.zeros((len(variants), 4), np.int64)
+    vcounts = np.zeros((len(variants), 5), np.int64)
     verr = np.zeros((len(variants), 2), np.float64)
     smin = np.full(len(variants), np.inf)
     smax = np.full(len(variants), -np.inf)
@@ -440,8 +440,9 @@ def tensor_stats(
                 scale=float(smin[k]) if smax[k] >= smin[k] else math.nan,
                 scale_max=float(smax[k]) if smax[k] >= smin[k] else math.nan,
                 overflow=int(vcounts[k, 0]),
-                underflow=int(vcounts[k, 1]),
-                subnormal=int(vcounts[k, 2]),
+                # the kernels count the zeros with the values that round to 0: off they come
+                underflow=int(vcounts[k, 1]) - (res.zero - int(vcounts[k, 4])),
+                subnormal=int(vcounts[k, 2] - vcounts[k, 1]),
                 lost=int(vcounts[k, 3]),
                 err2=e2,
                 sqnr_db=sqnr,

@@ -167,9 +167,12 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
     """The saturating RNE cast ``float32(float32(x) * sc)`` of one block and its figures.
 
     Works on float32 bit patterns (:func:`_round_bits`). Overflow: the rounded bits exceed max's
-    bits (an inf product too). Branch-free so LLVM vectorizes it. Leaves ``(deq - x)^2`` of each element in
-    ``buf[:m]`` (0 for NaN/inf inputs; the caller sums a whole block at once) and returns
-    (overflow, underflow, subnormal, the "high" sum of squares too large for float64).
+    bits (an inf product too). Branch-free so LLVM vectorizes it. Leaves ``(deq - x)^2`` of each
+    element in ``buf[:m]`` (0 for NaN/inf inputs; the caller sums a whole block at once) and
+    returns (overflow, finite elements that round to 0, finite elements that round below
+    min_normal, the "high" sum of squares too large for float64). The two middle counts include
+    the zeros (the caller takes the tensor's zeros off once: underflow = the first minus the
+    zeros, subnormal = the second minus the first), so no kernel needs a zero test.
     """
     m = xs.size
     over = np.uint32(0)
@@ -183,8 +186,8 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
         qb = _round_bits(ux, sc, shift, half_m1, keep, minnorm_bits, csub)
         ovb = fin & (qb > max_bits)
         over = add32(over, ovb)
-        under = add32(under, fin & (qb == np.uint32(0)) & (ax != 0.0))
-        sub = add32(sub, fin & (qb != np.uint32(0)) & (qb < minnorm_bits))
+        under = add32(under, fin & (qb == np.uint32(0)))
+        sub = add32(sub, fin & (qb < minnorm_bits))
         qb = max_bits if ovb else qb
         d = abs(np.float64(np.float32(_bits_f32(qb) * si)) - ax)
         big = add32(big, fin & (d >= _BIG))
@@ -209,7 +212,6 @@ def _cast_block(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, 
 # float32 input: the same figures with fewer float64 operations
 # ------------------------------------------------------------------------------------------
 _INF_BITS = np.uint32(0x7F800000)
-_MINUS1 = np.uint32(0xFFFFFFFF)
 
 
 @jit_serial
@@ -307,7 +309,6 @@ def _cast_block_f32(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, cs
     under = np.uint32(0)
     sub = np.uint32(0)
     top = np.uint32(0)
-    mn1 = add32(minnorm_bits, _MINUS1)
     c_min = _f32_bits(csub)
     c_add = np.uint32(shift << np.uint32(23))
     for k in range(m):
@@ -316,8 +317,8 @@ def _cast_block_f32(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, cs
         c = _bits_f32(max(add32(and32(_f32_bits(a), _INF_BITS), c_add), c_min))
         qb = _f32_bits((a + c) - c)
         top = max(top, qb)
-        under = add32(under, (qb == np.uint32(0)) & (ux != np.uint32(0)))
-        sub = add32(sub, add32(qb, _MINUS1) < mn1)
+        under = add32(under, qb == np.uint32(0))
+        sub = add32(sub, qb < minnorm_bits)
         dd = np.float64(np.float32(np.float32(_bits_f32(qb) * si) - _bits_f32(ux)))
         buf[k] = dd * dd
     if top > max_bits:  # an overflow, a NaN or an inf

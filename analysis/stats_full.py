@@ -3,9 +3,10 @@ tensor scaling, or none), faster than :func:`analysis.stats_blocks._cast_block_f
 it, bit for bit, sums included.
 
 - The counts need no rounded value: for a positive finite scale the rounding is non-decreasing
-  in |x|'s bits ``ux``, so underflow, subnormal and overflow are ranges of ``ux`` whose ends
-  :func:`_cast_thresholds` finds once per part by bisection over the exact rounding
-  (:func:`analysis.stats_blocks._round_bits`); each count is one comparison per element.
+  in |x|'s bits ``ux``, so "rounds to 0", "rounds below min_normal" and "does not overflow" are
+  ``ux <= t`` for thresholds that :func:`_cast_thresholds` finds once per part by bisection over
+  the exact rounding (:func:`analysis.stats_blocks._round_bits`); each count is one comparison
+  per element (zeros included, as every cast kernel counts them: stats.py takes them off).
 - A block of ``_BLOCK`` elements is read as four quarters side by side: element k with k + 256,
   k + 512 and k + 768. Their squared errors fold in registers into the first two levels of the
   block's pairwise sum, ``(e[k] + e[k+512]) + (e[k+256] + e[k+768])``, so the sum is the very value
@@ -26,7 +27,7 @@ from numba.core import types
 from numba.extending import overload
 
 from analysis.stats_blocks import _BLOCK, _INF_BITS, _MAG, _QUARTER, _pairwise_sum, _round_bits
-from fp8sim._bitcast import add32, and32, sub32
+from fp8sim._bitcast import add32, and32
 from fp8sim._bitcast import bits_f32 as _bits_f32
 from fp8sim._bitcast import f32_bits as _f32_bits
 from fp8sim._jit import jit_inline, jit_serial
@@ -91,10 +92,9 @@ def _err_sq4(u0, u1, u2, u3, sc, si, c_add, c_min):
 
 
 @jit_inline
-def _in_range4(u0, u1, u2, u3, lo, span):
-    """How many of u0..u3 lie in [lo, lo + span): one unsigned (wrapping) comparison each."""
-    a = add32(sub32(u0, lo) < span, sub32(u1, lo) < span)
-    return add32(a, add32(sub32(u2, lo) < span, sub32(u3, lo) < span))
+def _at_most4(u0, u1, u2, u3, t):
+    """How many of u0..u3 are at most t (one comparison each)."""
+    return add32(add32(u0 <= t, u1 <= t), add32(u2 <= t, u3 <= t))
 
 
 @jit_inline
@@ -123,12 +123,12 @@ def _prefetch_step(nxt, g):
 def _cast_full_block_f32(xs, nxt, sc, si, shift, csub, thr, buf):
     """One variant's figures of a full float32 block (``_BLOCK`` elements) under one scale, with
     the thresholds ``thr`` of :func:`_cast_thresholds`: (largest ux, underflow, subnormal, sum of
-    (deq - x)^2). Valid when the largest ux is at most ``thr[2]``. ``nxt``: the next block (or an
-    empty slice), prefetched."""
+    (deq - x)^2), the counts as :func:`analysis.stats_blocks._cast_block`'s (zeros included).
+    Valid when the largest ux is at most ``thr[2]``. ``nxt``: the next block (or an empty
+    slice), prefetched."""
     c_add, c_min = _fpu_consts(shift, csub)
-    sub_lo = np.uint32(thr[0] + 1)
     t0 = np.uint32(thr[0])
-    sub_span = np.uint32(thr[1] - thr[0])
+    t1 = np.uint32(thr[1])
     x0, x1, x2, x3 = _quarters(xs)
     under = np.uint32(0)
     sub = np.uint32(0)
@@ -141,8 +141,8 @@ def _cast_full_block_f32(xs, nxt, sc, si, shift, csub, thr, buf):
             u2 = and32(_f32_bits(x2[k]), _MAG)
             u3 = and32(_f32_bits(x3[k]), _MAG)
             top = max(top, max(max(u0, u1), max(u2, u3)))
-            under = add32(under, _in_range4(u0, u1, u2, u3, _ONE, t0))  # 0 < ux <= t0
-            sub = add32(sub, _in_range4(u0, u1, u2, u3, sub_lo, sub_span))  # t0 < ux <= t1
+            under = add32(under, _at_most4(u0, u1, u2, u3, t0))  # rounds to 0
+            sub = add32(sub, _at_most4(u0, u1, u2, u3, t1))  # rounds below min_normal
             buf[k] = _err_sq4(u0, u1, u2, u3, sc, si, c_add, c_min)
     return top, under, sub, _pairwise_sum(buf, _QUARTER)
 
@@ -156,10 +156,8 @@ def _cast_full_pair_f32(xs, nxt, sc_a, si_a, shift_a, csub_a, thr_a, sc_b, si_b,
     c_add_b, c_min_b = _fpu_consts(shift_b, csub_b)
     t0_a = np.uint32(thr_a[0])
     t0_b = np.uint32(thr_b[0])
-    sub_lo_a = np.uint32(thr_a[0] + 1)
-    sub_lo_b = np.uint32(thr_b[0] + 1)
-    sub_span_a = np.uint32(thr_a[1] - thr_a[0])
-    sub_span_b = np.uint32(thr_b[1] - thr_b[0])
+    t1_a = np.uint32(thr_a[1])
+    t1_b = np.uint32(thr_b[1])
     x0, x1, x2, x3 = _quarters(xs)
     under_a = np.uint32(0)
     under_b = np.uint32(0)
@@ -174,10 +172,10 @@ def _cast_full_pair_f32(xs, nxt, sc_a, si_a, shift_a, csub_a, thr_a, sc_b, si_b,
             u2 = and32(_f32_bits(x2[k]), _MAG)
             u3 = and32(_f32_bits(x3[k]), _MAG)
             top = max(top, max(max(u0, u1), max(u2, u3)))
-            under_a = add32(under_a, _in_range4(u0, u1, u2, u3, _ONE, t0_a))
-            under_b = add32(under_b, _in_range4(u0, u1, u2, u3, _ONE, t0_b))
-            sub_a = add32(sub_a, _in_range4(u0, u1, u2, u3, sub_lo_a, sub_span_a))
-            sub_b = add32(sub_b, _in_range4(u0, u1, u2, u3, sub_lo_b, sub_span_b))
+            under_a = add32(under_a, _at_most4(u0, u1, u2, u3, t0_a))
+            under_b = add32(under_b, _at_most4(u0, u1, u2, u3, t0_b))
+            sub_a = add32(sub_a, _at_most4(u0, u1, u2, u3, t1_a))
+            sub_b = add32(sub_b, _at_most4(u0, u1, u2, u3, t1_b))
             buf_a[k] = _err_sq4(u0, u1, u2, u3, sc_a, si_a, c_add_a, c_min_a)
             buf_b[k] = _err_sq4(u0, u1, u2, u3, sc_b, si_b, c_add_b, c_min_b)
     return (top, under_a, sub_a, _pairwise_sum(buf_a, _QUARTER), under_b, sub_b,

@@ -229,6 +229,7 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, his
                 if si != si:  # NaN MX scale: the whole block is NaN
                     for k in range(j, j + n_el):
                         counts[v, 3] += np.int64(abs(np.float64(x[k])) < np.inf)
+                        counts[v, 4] += np.int64(x[k] == 0)
                         buf[k - b0] = 0.0
                 else:
                     o, u, sb, qh = _cast(
@@ -270,12 +271,14 @@ def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
     23), fmt.max, fmt.min_normal). scales / sinvs: each variant's scale grid rows that the chunk
     touches, flat (float32), variant v's from offset vint[v, 3]. Returns, summed over the parts
     (in part order, so the figures depend only on the part count): :func:`_scan_totals` (None
-    without ``scan``), counts (V, 4) = overflow, underflow, subnormal, lost; err2 (V, 2) = sum
-    (deq - x)^2 as (low, high) pairs (see stats._combine).
+    without ``scan``), counts (V, 5) = overflow, finite values that round to 0 and that round
+    below min_normal (both with the zeros: see analysis.stats_blocks._cast_block), lost (NaN MX
+    scale), zeros among the lost; err2 (V, 2) = sum (deq - x)^2 as (low, high) pairs (see
+    stats._combine).
     """
     nv = vint.shape[0]
     bufs = _scan_buffers(n_parts)
-    counts = np.zeros((n_parts, nv, 4), np.int64)
+    counts = np.zeros((n_parts, nv, 5), np.int64)
     err2 = np.zeros((n_parts, nv, 2), np.float64)
     _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs, scan, *bufs, counts,
          err2)  # fmt: skip

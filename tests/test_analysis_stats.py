@@ -306,3 +306,19 @@ def test_column_tiles_sum_their_errors_pairwise():
         deq = dequantize(quantize_scaled(x, fmt, "col")).astype(np.float64)
         exact = math.fsum(((deq - x.astype(np.float64)) ** 2).ravel().tolist())
         assert v.err2 == pytest.approx(exact, rel=1e-14, abs=0)
+
+
+def test_zeros_in_lost_mx_blocks_are_neither_underflow_nor_subnormal():
+    # the kernels count zeros with the values that round to 0 and take the tensor's zeros off at
+    # the end; zeros in an MX block with a NaN scale are lost, not counted there: off they stay
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    x[0, 0] = np.nan  # the first block of 32 gets a NaN scale
+    x[0, 1:6] = 0.0
+    x[1, [3, 40]] = 0.0
+    x[1, 50] = 1e-30  # a true underflow
+    ref = reference(x, "e4m3", "mx")
+    for dt in (np.float32, np.float64):
+        (v,) = tensor_stats(x.astype(dt), parse_variants(["e4m3"], ["mx"])).variants
+        assert (v.underflow, v.subnormal, v.lost) == (ref["underflow"], ref["subnormal"], ref["lost"])
+        assert v.lost == 31 and v.underflow >= 1
