@@ -24,10 +24,12 @@ format-independent figures (NaN/inf/zero counts, amax, sum x^2, the log2|x| hist
 keep the cores busy while that pass streams the data from memory; pass B is one numba pass
 computing every variant's figures (and the format-independent ones when pass A did not run),
 block by block, so the data is read from memory once and each variant's cast reads the block
-from L1. Inside a pass, a chunk is
-split into parts (by size) that the numba threads take in turn (``prange``), each part into
-L1-sized blocks whose loops are branch-free so LLVM vectorizes them; the cast works on float32
-bit patterns in 32-bit lanes (RNE as an integer or FPU add at the quantum; see :mod:`analysis.stats_blocks`).
+from L1. Inside a pass, a chunk is split into parts (by size) that the numba threads take in
+turn (``prange``), each part into L1-sized blocks whose loops are branch-free so LLVM vectorizes
+them; the cast works on float32 bit patterns in 32-bit lanes (RNE as an integer or FPU add at
+the quantum; see :mod:`analysis.stats_blocks`). Full float32 blocks under one scale for the whole
+tensor (tensor scaling, none) take :mod:`analysis.stats_full`: counts as comparisons of |x|'s
+bits against thresholds found once by bisection over the exact rounding, two variants per read.
 
 Counts are exact (tests compare them with ``quantize_scaled`` + ``dequantize``); the two sums are
 float64 accumulations in a fixed order (within blocks of 1024 elements: pairwise, the first

@@ -1,5 +1,6 @@
 """The numba passes behind :func:`analysis.stats.tensor_stats` (see its module docstring); the
-per-block kernels they run are in :mod:`analysis.stats_blocks`.
+per-block kernels they run are in :mod:`analysis.stats_blocks` and, for full float32 blocks under
+one whole-tensor scale, :mod:`analysis.stats_full`.
 
 Pass A (only when a variant needs a just-in-time scale): each granularity's group amaxes and the
 format-independent figures (NaN/inf/zero counts, the finite amax, sum x^2, the log2|x|
@@ -140,34 +141,32 @@ def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
     return gamax, gnan, _scan_totals(*bufs)
 
 
+def _full_variants(vint, vflt, scales, sinvs):
+    """The variants whose full float32 blocks go to :mod:`analysis.stats_full`'s kernels (one
+    positive finite scale for the whole tensor, a format :func:`_cast_block_f32` takes), two a
+    read: (their indices, int64; thresholds (V, 3) of :func:`_cast_thresholds`, rows of the
+    others 0). Once per chunk, in Python."""
+    full = []
+    thr = np.zeros((vint.shape[0], 3), np.int64)
+    for v in range(vint.shape[0]):
+        sc, si = scales[vint[v, 3]], sinvs[vint[v, 3]]
+        if vint[v, 8] and vint[v, 9] and 0 < sc < np.inf and 0 < si < np.inf:
+            shift = int(vint[v, 4])
+            _cast_thresholds(sc, np.uint32(shift), np.uint32((1 << (shift - 1)) - 1),
+                             ~np.uint32((1 << shift) - 1), np.uint32(vint[v, 5]),
+                             np.uint32(vint[v, 6]), np.float32(vflt[v, 0]), thr[v])  # fmt: skip
+            full.append(v)
+    return np.array(full, np.int64), thr
+
+
 @jit_serial
-def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, hist, hsub, counts,
-            err2):  # fmt: skip
+def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base, sig2, hist,
+            hsub, counts, err2):  # fmt: skip
     """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
     buf = np.empty(_BLOCK, np.float64)
     buf_b = np.empty(_BLOCK, np.float64)
-    # variants with one positive finite scale for the whole tensor, in formats _cast_block_f32
-    # takes: their full float32 blocks go to analysis.stats_full's kernels, two variants a read
     nv = vint.shape[0]
-    full = np.zeros(nv, np.int64)
-    n_full = 0
-    thr = np.zeros((nv, 3), np.int64)
-    f_sc = np.zeros(nv, np.float32)
-    f_si = np.zeros(nv, np.float32)
-    f_shift = np.zeros(nv, np.uint32)
-    f_csub = np.zeros(nv, np.float32)
-    for v in range(nv):
-        sc = scales[vint[v, 3]]
-        si = sinvs[vint[v, 3]]
-        if vint[v, 8] != 0 and vint[v, 9] != 0 and 0 < sc < np.inf and 0 < si < np.inf:
-            full[n_full] = v
-            n_full += 1
-            f_sc[v], f_si[v] = sc, si
-            f_shift[v] = np.uint32(vint[v, 4])
-            f_csub[v] = np.float32(vflt[v, 0])
-            _cast_thresholds(sc, f_shift[v], np.uint32((1 << (vint[v, 4] - 1)) - 1),
-                             ~np.uint32((1 << vint[v, 4]) - 1), np.uint32(vint[v, 5]),
-                             np.uint32(vint[v, 6]), f_csub[v], thr[v])  # fmt: skip
+    n_full = full.size
     done = np.zeros(nv, np.bool_)  # variants whose figures of the current block are taken
     for b0 in range(s, e, _BLOCK):
         b1 = min(e, b0 + _BLOCK)
@@ -181,8 +180,9 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, his
                 if j + 1 < n_full:
                     b = full[j + 1]
                     top, ua, sa, ea, ub, sb, eb = _cast_full_pair(
-                        x[b0:b1], nxt, f_sc[a], f_si[a], f_shift[a], f_csub[a], thr[a],
-                        f_sc[b], f_si[b], f_shift[b], f_csub[b], thr[b], buf, buf_b,
+                        x[b0:b1], nxt, scales[vint[a, 3]], sinvs[vint[a, 3]], np.uint32(vint[a, 4]),
+                        np.float32(vflt[a, 0]), thr[a], scales[vint[b, 3]], sinvs[vint[b, 3]],
+                        np.uint32(vint[b, 4]), np.float32(vflt[b, 0]), thr[b], buf, buf_b,
                     )  # fmt: skip
                     if top <= thr[b, 2]:  # no overflow, NaN or inf for b
                         counts[b, 1] += ub
@@ -190,8 +190,9 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, his
                         err2[b, 0] += eb
                         done[b] = True
                 else:
-                    top, ua, sa, ea = _cast_full(x[b0:b1], nxt, f_sc[a], f_si[a], f_shift[a],
-                                                 f_csub[a], thr[a], buf)  # fmt: skip
+                    top, ua, sa, ea = _cast_full(x[b0:b1], nxt, scales[vint[a, 3]],
+                                                 sinvs[vint[a, 3]], np.uint32(vint[a, 4]),
+                                                 np.float32(vflt[a, 0]), thr[a], buf)  # fmt: skip
                 if top <= thr[a, 2]:
                     counts[a, 1] += ua
                     counts[a, 2] += sa
@@ -251,14 +252,14 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, his
 
 
 @jit_kernel
-def _pass_b_kernel(x, n_parts, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, hist,
-                   hsub, counts, err2):  # fmt: skip
+def _pass_b_kernel(x, n_parts, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base, sig2,
+                   hist, hsub, counts, err2):  # fmt: skip
     per = (x.size + n_parts - 1) // n_parts
     for p in numba.prange(n_parts):
         s = min(x.size, p * per)
         e = min(x.size, s + per)
-        _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base[p], sig2[p], hist[p],
-                hsub[p], counts[p], err2[p])  # fmt: skip
+        _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base[p], sig2[p],
+                hist[p], hsub[p], counts[p], err2[p])  # fmt: skip
 
 
 def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
@@ -280,6 +281,7 @@ def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
     bufs = _scan_buffers(n_parts)
     counts = np.zeros((n_parts, nv, 5), np.int64)
     err2 = np.zeros((n_parts, nv, 2), np.float64)
-    _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs, scan, *bufs, counts,
-         err2)  # fmt: skip
+    full, thr = _full_variants(vint, vflt, scales, sinvs)
+    _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, *bufs,
+         counts, err2)  # fmt: skip
     return (_scan_totals(*bufs) if scan else None), counts.sum(axis=0), err2.sum(axis=0)
