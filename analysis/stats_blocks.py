@@ -97,6 +97,20 @@ def _byte_count(hist, b):
 
 
 @jit_serial
+def _bin_subnormals(xs, hsub):
+    """``hsub[floor(log2|x|) - EXPONENT_MIN] += 1`` for each element whose float32 is subnormal,
+    its floor(log2) from the leading one (the exponent byte says 0 for all of them)."""
+    for k in range(xs.size):
+        u = and32(_f32_bits(np.float32(xs[k])), _MAG)
+        if u != np.uint32(0) and u < _MIN_NORMAL32:
+            e = -150
+            while u > np.uint32(0):
+                u >>= np.uint32(1)
+                e += 1
+            hsub[e - EXPONENT_MIN] += 1
+
+
+@jit_serial
 def _scan_block(xs, buf, hist, hsub):
     """Format-independent figures of one block ``xs`` (float32 or float64, contiguous).
 
@@ -135,15 +149,8 @@ def _scan_block(xs, buf, hist, hsub):
                 w = ax * _DOWN
                 sqh += w * w
     _count_exponent_bytes(xs, hist)
-    if nsub:  # rare: float32 subnormals, binned by their leading one
-        for k in range(m):
-            u = and32(_f32_bits(np.float32(xs[k])), _MAG)
-            if u != np.uint32(0) and u < _MIN_NORMAL32:
-                e = -150
-                while u > np.uint32(0):
-                    u >>= np.uint32(1)
-                    e += 1
-                hsub[e - EXPONENT_MIN] += 1
+    if nsub:  # rare
+        _bin_subnormals(xs, hsub)
     return nan, inf, zero, mxb, _pairwise_sum(buf, m), sqh
 
 
@@ -274,15 +281,8 @@ def _scan_block_f32(xs, buf, hist, hsub):
     if n_low:
         for k in range(m):
             zero += np.int64(and32(_f32_bits(xs[k]), _MAG) == np.uint32(0))
-        if zero < n_low:  # float32 subnormals, binned by their leading one
-            for k in range(m):
-                u = and32(_f32_bits(xs[k]), _MAG)
-                if u != np.uint32(0) and u < _MIN_NORMAL32:
-                    e = -150
-                    while u > np.uint32(0):
-                        u >>= np.uint32(1)
-                        e += 1
-                    hsub[e - EXPONENT_MIN] += 1
+        if zero < n_low:  # float32 subnormals
+            _bin_subnormals(xs, hsub)
     return nan, n_high - nan, zero, mxb, sq, 0.0
 
 

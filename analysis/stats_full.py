@@ -111,6 +111,16 @@ def _quarters(xs):
 
 
 @jit_inline
+def _magnitudes4(x0, x1, x2, x3, k):
+    """Element k of each quarter as |x|'s float32 bits, and the largest of the four."""
+    u0 = and32(_f32_bits(x0[k]), _MAG)
+    u1 = and32(_f32_bits(x1[k]), _MAG)
+    u2 = and32(_f32_bits(x2[k]), _MAG)
+    u3 = and32(_f32_bits(x3[k]), _MAG)
+    return u0, u1, u2, u3, max(max(u0, u1), max(u2, u3))
+
+
+@jit_inline
 def _prefetch_step(nxt, g):
     """At step g of the quarter loop, ask for 4 of the next block's lines (all by the end)."""
     n = nxt.size
@@ -136,11 +146,8 @@ def _cast_full_block_f32(xs, nxt, sc, si, shift, csub, thr, buf):
     for g in range(0, _QUARTER, _STEP):
         _prefetch_step(nxt, g)
         for k in range(g, g + _STEP):
-            u0 = and32(_f32_bits(x0[k]), _MAG)
-            u1 = and32(_f32_bits(x1[k]), _MAG)
-            u2 = and32(_f32_bits(x2[k]), _MAG)
-            u3 = and32(_f32_bits(x3[k]), _MAG)
-            top = max(top, max(max(u0, u1), max(u2, u3)))
+            u0, u1, u2, u3, m4 = _magnitudes4(x0, x1, x2, x3, k)
+            top = max(top, m4)
             under = add32(under, _at_most4(u0, u1, u2, u3, t0))  # rounds to 0
             sub = add32(sub, _at_most4(u0, u1, u2, u3, t1))  # rounds below min_normal
             buf[k] = _err_sq4(u0, u1, u2, u3, sc, si, c_add, c_min)
@@ -167,11 +174,8 @@ def _cast_full_pair_f32(xs, nxt, sc_a, si_a, shift_a, csub_a, thr_a, sc_b, si_b,
     for g in range(0, _QUARTER, _STEP):
         _prefetch_step(nxt, g)
         for k in range(g, g + _STEP):
-            u0 = and32(_f32_bits(x0[k]), _MAG)
-            u1 = and32(_f32_bits(x1[k]), _MAG)
-            u2 = and32(_f32_bits(x2[k]), _MAG)
-            u3 = and32(_f32_bits(x3[k]), _MAG)
-            top = max(top, max(max(u0, u1), max(u2, u3)))
+            u0, u1, u2, u3, m4 = _magnitudes4(x0, x1, x2, x3, k)
+            top = max(top, m4)
             under_a = add32(under_a, _at_most4(u0, u1, u2, u3, t0_a))
             under_b = add32(under_b, _at_most4(u0, u1, u2, u3, t0_b))
             sub_a = add32(sub_a, _at_most4(u0, u1, u2, u3, t1_a))

@@ -141,14 +141,14 @@ def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
     return gamax, gnan, _scan_totals(*bufs)
 
 
-def _full_variants(vint, vflt, scales, sinvs):
+def _full_variants(dtype, vint, vflt, scales, sinvs):
     """The variants whose full float32 blocks go to :mod:`analysis.stats_full`'s kernels (one
     positive finite scale for the whole tensor, a format :func:`_cast_block_f32` takes), two a
-    read: (their indices, int64; thresholds (V, 3) of :func:`_cast_thresholds`, rows of the
-    others 0). Once per chunk, in Python."""
+    read: (their indices, int64, none for float64 input; thresholds (V, 3) of
+    :func:`_cast_thresholds`, rows of the others 0). Once per chunk, in Python."""
     full = []
     thr = np.zeros((vint.shape[0], 3), np.int64)
-    for v in range(vint.shape[0]):
+    for v in range(vint.shape[0] if dtype == np.float32 else 0):
         sc, si = scales[vint[v, 3]], sinvs[vint[v, 3]]
         if vint[v, 8] and vint[v, 9] and 0 < sc < np.inf and 0 < si < np.inf:
             shift = int(vint[v, 4])
@@ -281,7 +281,7 @@ def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
     bufs = _scan_buffers(n_parts)
     counts = np.zeros((n_parts, nv, 5), np.int64)
     err2 = np.zeros((n_parts, nv, 2), np.float64)
-    full, thr = _full_variants(vint, vflt, scales, sinvs)
+    full, thr = _full_variants(x.dtype, vint, vflt, scales, sinvs)
     _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, *bufs,
          counts, err2)  # fmt: skip
     return (_scan_totals(*bufs) if scan else None), counts.sum(axis=0), err2.sum(axis=0)
