@@ -19,6 +19,7 @@ from fp8sim._bitcast import add32, and32, shr32
 from fp8sim._bitcast import bits_f32 as _bits_f32
 from fp8sim._bitcast import f32_bits as _f32_bits
 from fp8sim._jit import jit_inline, jit_serial
+from fp8sim._fma import square_add
 from fp8sim.abs_histogram import EXPONENT_MAX, EXPONENT_MIN
 
 #: log2|x| histogram bins (floor(log2 float32(|x|)) - EXPONENT_MIN; the ends are sentinels)
@@ -226,7 +227,8 @@ def _squares_full_block_f32(xs, buf):
     """(max float32 bits of |x|, the sum of x^2) of a full float32 block without NaN/inf: the
     value :func:`_pairwise_sum` gives over the squares, its first two levels done in registers
     (element k with k + 256, k + 512 and k + 768, as :mod:`analysis.stats_full`'s casts; the block is
-    in L1 already, the exponent bytes having been counted)."""
+    in L1 already, the exponent bytes having been counted), the first level's adds fused with a
+    square (:mod:`fp8sim._fma`: the same value)."""
     x0 = xs[:_QUARTER]
     x1 = xs[_QUARTER : 2 * _QUARTER]
     x2 = xs[2 * _QUARTER : 3 * _QUARTER]
@@ -236,11 +238,9 @@ def _squares_full_block_f32(xs, buf):
         m01 = max(and32(_f32_bits(x0[k]), _MAG), and32(_f32_bits(x1[k]), _MAG))
         m23 = max(and32(_f32_bits(x2[k]), _MAG), and32(_f32_bits(x3[k]), _MAG))
         mxb = max(mxb, max(m01, m23))
-        v0 = np.float64(x0[k])
-        v1 = np.float64(x1[k])
         v2 = np.float64(x2[k])
         v3 = np.float64(x3[k])
-        buf[k] = (v0 * v0 + v2 * v2) + (v1 * v1 + v3 * v3)
+        buf[k] = square_add(x0[k], v2 * v2) + square_add(x1[k], v3 * v3)  # (x0^2 + x2^2) + ...
     return mxb, _pairwise_sum(buf, _QUARTER)
 
 
