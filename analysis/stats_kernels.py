@@ -60,9 +60,21 @@ def _scan_range(x, s, e, buf, base, sig2, hist, hsub):
 
 
 @jit_serial
+def _add_copies(copies, hist):
+    """hist[b] += the count of exponent byte b over the copies a part scattered into."""
+    for b in range(hist.size):
+        t = 0
+        for j in range(copies.shape[0]):
+            t += np.int64(copies[j, b])
+        hist[b] += t
+
+
+@jit_serial
 def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, base, sig2, hist, hsub):
     """Pass A over elements [s, e) of the chunk: see :func:`_pass_a`."""
-    _scan_range(x, s, e, np.empty(_BLOCK, np.float64), base, sig2, hist, hsub)
+    copies = np.zeros((N_HIST_COPIES, 256), np.uint32)  # the part's scratch (in L1, no faults)
+    _scan_range(x, s, e, np.empty(_BLOCK, np.float64), base, sig2, copies, hsub)
+    _add_copies(copies, hist)
     if gran.shape[0] == 0:
         return
     i = s
@@ -100,9 +112,10 @@ def _pass_a_kernel(x, n_parts, i0, ncols, gran, local_off, gamax, gnan, base, si
 
 
 def _scan_buffers(n_parts: int):
-    """Per-part outputs of the format-independent figures (base, sig2, hist, hsub)."""
+    """Per-part outputs of the format-independent figures (base, sig2, hist = counts of each
+    float32 exponent byte, hsub)."""
     return (np.zeros((n_parts, 4), np.int64), np.zeros((n_parts, 2), np.float64),
-            np.zeros((n_parts, N_HIST_COPIES, 256), np.uint32),
+            np.zeros((n_parts, 256), np.int64),
             np.zeros((n_parts, N_LOG2), np.int64))  # fmt: skip
 
 
@@ -112,7 +125,7 @@ def _scan_totals(base, sig2, hist, hsub):
     tot = base.sum(axis=0)
     tot[3] = base[:, 3].max() if base.shape[0] else 0
     nan, inf, zero = int(tot[0]), int(tot[1]), int(tot[2])
-    by_byte = hist.sum(axis=(0, 1), dtype=np.int64)
+    by_byte = hist.sum(axis=0)
     log2 = hsub.sum(axis=0)
     n_sub = int(log2.sum())
     # exponent byte b of a normal float32: floor(log2) = b - 127, bin b - 127 - EXPONENT_MIN
@@ -165,13 +178,14 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base
     """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
     buf = np.empty(_BLOCK, np.float64)
     buf_b = np.empty(_BLOCK, np.float64)
+    copies = np.zeros((N_HIST_COPIES, 256), np.uint32)  # the scan's exponent bytes (if scan)
     nv = vint.shape[0]
     n_full = full.size
     done = np.zeros(nv, np.bool_)  # variants whose figures of the current block are taken
     for b0 in range(s, e, _BLOCK):
         b1 = min(e, b0 + _BLOCK)
         if scan:
-            _scan_range(x, b0, b1, buf, base, sig2, hist, hsub)
+            _scan_range(x, b0, b1, buf, base, sig2, copies, hsub)
         done[:] = False
         if b1 - b0 == _BLOCK:
             nxt = x[b1 : min(e, b1 + _BLOCK)]  # prefetched by the first kernel
@@ -249,6 +263,8 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base
             # the block's squared errors, whatever its tiles: one pairwise sum (a column tile of
             # one element per row would otherwise add them one by one)
             err2[v, 0] += _pairwise_sum(buf, b1 - b0)
+    if scan:
+        _add_copies(copies, hist)
 
 
 @jit_kernel
