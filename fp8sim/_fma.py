@@ -10,21 +10,26 @@ from __future__ import annotations
 
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba.core import cgutils, types
+from numba.core import cgutils, config, types
 from numba.extending import intrinsic
 
 __all__ = ["square_add", "HAS_FMA"]
 
 
-def _host_has_fma() -> bool:
+def _target_has_fma() -> bool:
+    """Whether the CPU numba compiles for has FMA: the features numba itself uses
+    (``NUMBA_CPU_FEATURES`` when set, else the host's); unknown counts as no."""
     try:
-        return "+fma" in llvm.get_host_cpu_features().flatten()
+        features = config.CPU_FEATURES
+        if features is None:
+            features = llvm.get_host_cpu_features().flatten()
     except RuntimeError:  # features unknown: the unfused form is always right
         return False
+    return "+fma" in features.split(",")
 
 
-#: whether ``square_add`` compiles to a fused multiply-add on this machine
-HAS_FMA = _host_has_fma()
+#: whether ``square_add`` compiles to a fused multiply-add (else it would be a libm call)
+HAS_FMA = _target_has_fma()
 
 
 @intrinsic
