@@ -54,7 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # paths after an option (``analyze a.npy --keep-going b.npy``) are still paths
+        if args.command == "analyze" and not any(e.startswith("-") for e in extra):
+            args.paths.extend(extra)
+        else:
+            print(f"fp8sim {args.command}: error: unrecognized arguments: {' '.join(extra)} "
+                  f"(see 'fp8sim {args.command} --help')", file=sys.stderr)  # fmt: skip
+            return 2
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, ArithmeticError, OSError, NotImplementedError,
@@ -69,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # a bug, not bad input: its own exit code (1 means --fail-on)
+        if os.environ.get("FP8SIM_DEBUG") == "1":
+            raise
+        msg = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"fp8sim {args.command}: internal error: {type(exc).__name__}: {msg} (a bug; "
+              "FP8SIM_DEBUG=1 shows the traceback)", file=sys.stderr)  # fmt: skip
+        return 3
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ replay TRACE --policy SPEC... : what each scaling policy would have done over a 
 
 Exit codes: 0 ok; 1 a ``--fail-on`` rule was crossed; 2 bad input (a bad file is named with the
 reason; with ``--keep-going`` the other files are analyzed first and the bad ones listed at the
-end, and the exit code is still 2).
+end, and the exit code is still 2); 3 an internal error (a bug: ``cli.main`` names it in one line).
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from fp8sim.atomic_file import atomic_write
 
 __all__ = ["register", "run_analyze", "run_replay"]
 
@@ -103,14 +106,28 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _check_json_dest(dest: str | None) -> None:
+    """Refuse an unwritable ``--json`` destination before any work (not after it)."""
+    if dest is None or dest == "-":
+        return
+    parent = os.path.dirname(os.path.abspath(dest))
+    if os.path.isdir(dest):
+        raise ValueError(f"--json {dest}: is a directory")
+    if not os.path.isdir(parent):
+        raise ValueError(f"--json {dest}: no such directory {parent}")
+    if not os.access(parent, os.W_OK) or (os.path.exists(dest) and not os.access(dest, os.W_OK)):
+        raise ValueError(f"--json {dest}: not writable")
+
+
 def _write_json(dest: str, obj: Any) -> None:
+    """Strict JSON to ``dest`` ('-': stdout), written whole or not at all (a temporary file
+    renamed over it: an interrupted run leaves the old file, never half a new one)."""
     text = json.dumps(_clean(obj), indent=1, allow_nan=False)
     if dest == "-":
         sys.stdout.write(text + "\n")
         return
     try:
-        with open(dest, "w") as f:
-            f.write(text + "\n")
+        atomic_write(Path(dest), lambda f: f.write((text + "\n").encode()))
     except OSError as exc:
         raise ValueError(f"--json {dest}: cannot write ({exc.strerror or exc})") from None
 
@@ -221,12 +238,15 @@ def run_analyze(args: argparse.Namespace) -> int:
     )
     from analysis.stats import parse_variants, tensor_stats
 
+    if not math.isfinite(args.margin) or abs(args.margin) > 126:
+        raise ValueError(f"--margin {args.margin}: must be finite, within [-126, 126] binades")
     variants = parse_variants(_split(args.format), _split(args.scaling), margin=args.margin,
                               pow2=args.pow2)  # fmt: skip
-    rules = parse_fail_on(args.fail_on) if args.fail_on else []
+    rules = parse_fail_on(args.fail_on) if args.fail_on is not None else []
     th = Thresholds(args.underflow_warning, args.underflow_critical)
     if args.chunk < 1 or args.top < 0:
         raise ValueError("--chunk must be >= 1 and --top >= 0")
+    _check_json_dest(args.json)
     plot_dir = _plot_dir(args.plot)
     errors: list[dict] = []
 
@@ -285,7 +305,8 @@ def run_analyze(args: argparse.Namespace) -> int:
                 bar.set_description(src.name[-30:], refresh=False)
                 if not src.is_float:
                     notes.append({"file": dump.path, "name": src.name,
-                                  "note": f"skipped: {src.dtype} tensor (not floating point)"})  # fmt: skip
+                                  "note": f"skipped: {src.dtype} tensor (analyzed: float16, bfloat16, "
+                                          "float32, float64)"})  # fmt: skip
                     continue
                 if src.numel == 0:
                     notes.append({"file": dump.path, "name": src.name,
@@ -414,6 +435,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from fp8sim.trace import TraceReader, is_trace
 
     rules = parse_fail_on(args.fail_on, REPLAY_FAIL_METRICS) if args.fail_on is not None else []
+    _check_json_dest(args.json)
     if args.allreduce is not None:
         from fp8sim.training.allreduce_sim import format_allreduce_report, replay_allreduce
 
@@ -429,8 +451,11 @@ def run_replay(args: argparse.Namespace) -> int:
         return 0
     if not args.policy:
         raise ValueError("replay: give --policy SPEC (one or more) or --allreduce N")
+    if not os.path.exists(args.trace):
+        raise ValueError(f"{args.trace}: no such directory")
     if not os.path.isdir(args.trace) or not is_trace(args.trace):
-        raise ValueError(f"{args.trace}: not an fp8sim trace directory (no trace.json)")
+        raise ValueError(f"{args.trace}: not an fp8sim trace directory (no trace.json of the "
+                         "fp8sim-trace schema)")  # fmt: skip
     reader = TraceReader(args.trace)
     plot_dir = _plot_dir(args.plot)
     n_records = int(reader.scalars()["step"].size)

@@ -27,6 +27,7 @@ import math
 import os
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -131,6 +132,8 @@ class TensorSource:
             raise
         except Exception as exc:  # zlib/zip/OS errors while streaming
             raise ValueError(f"{self.file}: cannot read {self.name}: {exc}") from None
+        if not raw.dtype.isnative:  # a big-endian .npy/.npz: the same values, native order
+            raw = raw.astype(raw.dtype.newbyteorder("="))
         return _widen(raw, self.dtype)
 
     def read_all(self) -> np.ndarray:
@@ -195,6 +198,7 @@ def _open_safetensors(path: str) -> Dump:
     data_start = 8 + hlen
     data_size = size - data_start
     tensors, skipped = [], []
+    spans: list[tuple[int, int, str]] = []  # (begin, end, name): no two may overlap
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -224,6 +228,13 @@ def _open_safetensors(path: str) -> Dump:
         if dtype in _RAW:
             reader = _pread_reader(path, data_start + begin, _RAW[dtype], _ITEMSIZE[dtype])
         tensors.append(TensorSource(name, path, shape, dtype, reader))
+        spans.append((begin, end, name))
+    reach, last = 0, ""  # the furthest end so far, and whose
+    for begin, end, name in sorted(s for s in spans if s[1] > s[0]):  # empty ones take no bytes
+        if begin < reach:
+            raise ValueError(f"{path}: corrupt safetensors: {last!r} and {name!r} share bytes "
+                             f"(offsets overlap at {begin})")  # fmt: skip
+        reach, last = end, name
     return Dump(path, "safetensors", tensors, skipped)
 
 
@@ -328,6 +339,43 @@ def _stream_reader(path: str, member: str, header_len: int, raw: Any, itemsize: 
     return read
 
 
+def _header_crc(zf: zipfile.ZipFile, info: zipfile.ZipInfo, header_len: int) -> int:
+    """CRC-32 of a stored member's first ``header_len`` bytes (its .npy header)."""
+    with zf.open(info) as fh:
+        return zlib.crc32(fh.read(header_len))
+
+
+def _check_stored_crc(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> None:
+    """Read a stored member through once: zipfile checks its CRC-32 at the end."""
+    try:
+        with zf.open(info) as fh:
+            while fh.read(1 << 24):
+                pass
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"{where} ({exc})") from None
+
+
+def _crc_checked(read: Callable[[int, int], np.ndarray], crc: int, expected: int, numel: int,
+                 where: str) -> Callable[[int, int], np.ndarray]:  # fmt: skip
+    """``read`` that checks a stored .npz member's CRC-32 (numpy's np.load does, for the same
+    reason: a stored member's bytes are otherwise taken as they are). The CRC runs over the
+    data as it is first read through in order (the analysis' first pass does, chunk by chunk);
+    the read that reaches the end raises ValueError ``where (CRC-32 mismatch...)`` if the data is
+    damaged. ``crc``: the CRC of the member's header."""
+    state = {"pos": 0, "crc": crc}
+
+    def checked(start: int, stop: int) -> np.ndarray:
+        arr = read(start, stop)
+        if start == state["pos"] and stop > start:
+            state["crc"] = zlib.crc32(np.ascontiguousarray(arr), state["crc"])
+            state["pos"] = stop
+            if stop == numel and state["crc"] != expected:
+                raise ValueError(f"{where} (CRC-32 mismatch: the stored data is damaged)")
+        return arr
+
+    return checked
+
+
 def _open_npz(path: str) -> Dump:
     try:
         zf = zipfile.ZipFile(path)
@@ -361,10 +409,15 @@ def _open_npz(path: str) -> Dump:
                     off = _zip_data_offset(path, info) + header_len
                     if off + numel * dt.itemsize > os.path.getsize(path):
                         raise ValueError(f"{path}: truncated .npz: member {info.filename} cut off")
-                    if strided:
-                        reader = mmap_strided_reader(path, off, shape, strides, raw)
-                    else:
-                        reader = _pread_reader(path, off, raw, dt.itemsize)
+                    where = f"{path}: corrupt .npz member {info.filename}"
+                    if strided or numel == 0:  # read out of file order (or nothing): check now
+                        _check_stored_crc(zf, info, where)
+                        reader = (mmap_strided_reader(path, off, shape, strides, raw) if strided
+                                  else _pread_reader(path, off, raw, dt.itemsize))  # fmt: skip
+                    else:  # checked as the data is first read through, in order
+                        reader = _crc_checked(_pread_reader(path, off, raw, dt.itemsize),
+                                              _header_crc(zf, info, header_len), info.CRC,
+                                              numel, where)  # fmt: skip
                 else:
                     reader = _stream_reader(path, info.filename, header_len, raw, dt.itemsize)
                     if strided:
@@ -446,6 +499,16 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
+def _trace_or_damaged(d: str) -> bool:
+    """Whether a subdirectory is to be opened as a trace: a trace, or a damaged one (whose
+    trace.json names the schema but does not parse: :func:`open_dump` then refuses it by name,
+    and the walk goes on)."""
+    try:
+        return is_trace(d)
+    except ValueError:
+        return True
+
+
 def expand_paths(paths: list[str | os.PathLike]) -> list[str]:
     """Files and trace directories to open: directories are walked (sorted) for
     :data:`DUMP_SUFFIXES` files and trace subdirectories. A missing path raises ValueError."""
@@ -457,7 +520,7 @@ def expand_paths(paths: list[str | os.PathLike]) -> list[str]:
         if os.path.isdir(p) and not is_trace(p):
             for root, dirs, files in os.walk(p):
                 dirs.sort()
-                traces = [d for d in dirs if is_trace(os.path.join(root, d))]
+                traces = [d for d in dirs if _trace_or_damaged(os.path.join(root, d))]
                 out.extend(os.path.join(root, d) for d in traces)
                 dirs[:] = [d for d in dirs if d not in traces]
                 out.extend(

@@ -192,6 +192,24 @@ def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]], skipped: list, d
         skipped.append((prefix or "value", f"not a tensor ({type(obj).__name__})"))
 
 
+def _unique_names(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Distinct names: a dotted name that comes again (key ``"a.b"`` next to ``{"a": {"b": ..}}``)
+    becomes ``a.b#2``, ``a.b#3``, ... so no record is mistaken for another."""
+    seen: dict[str, int] = {}
+    taken = {name for name, _ in pairs}
+    out = []
+    for name, t in pairs:
+        k = seen.get(name, 0) + 1
+        seen[name] = k
+        if k > 1:
+            while f"{name}#{k}" in taken:
+                k += 1
+            taken.add(f"{name}#{k}")
+            name = f"{name}#{k}"
+        out.append((name, t))
+    return out
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -248,7 +266,7 @@ def open_pt(path: str) -> Dump:
     skipped: list[tuple[str, str]] = []
     _flatten(obj, "", pairs, skipped, path=path)
     tensors = []
-    for name, t in pairs:
+    for name, t in _unique_names(pairs):
         if t.layout != torch.strided:
             skipped.append((name, f"{str(t.layout).replace('torch.', '')} tensor (only dense tensors are read)"))
             continue

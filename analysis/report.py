@@ -67,6 +67,14 @@ class Thresholds:
     underflow_critical: float = 2.0
     overflow_critical: int = 1  # this many overflowing values make a record critical
 
+    def __post_init__(self) -> None:
+        w, c = self.underflow_warning, self.underflow_critical
+        if not (math.isfinite(w) and math.isfinite(c) and 0 <= w <= c <= 100):
+            raise ValueError(f"--underflow-warning {w} / --underflow-critical {c}: need "
+                             "0 <= warning <= critical <= 100 (percent)")  # fmt: skip
+        if self.overflow_critical < 1:
+            raise ValueError(f"overflow_critical must be >= 1, got {self.overflow_critical}")
+
 
 def classify(rec: dict[str, Any], th: Thresholds = Thresholds()) -> str:
     """``ok`` / ``warning`` / ``critical`` of one record (see the module docstring)."""

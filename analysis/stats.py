@@ -107,7 +107,8 @@ def _check_format(fmt: FloatFormat) -> None:
 def parse_variants(
     formats: Sequence[str], scalings: Sequence[str], *, margin: float = 0.0, pow2: bool = False
 ) -> list[Variant]:
-    """Every format x scaling, validated (ValueError naming the bad name and the valid ones)."""
+    """Every format x scaling, validated (ValueError naming the bad name and the valid ones);
+    the same format (an alias too) x the same scaling only once."""
     out = []
     if not formats or not scalings:
         raise ValueError("need at least one format and one scaling")
@@ -121,7 +122,9 @@ def parse_variants(
                 s = g.spec
                 if g.kind == "mx" and (margin or pow2):
                     raise ValueError("margin/pow2 do not apply to mx scaling (E8M0 rule)")
-            out.append(Variant(fmt, s, float(margin), bool(pow2)))
+            v = Variant(fmt, s, float(margin), bool(pow2))
+            if all((o.fmt.name, o.scaling) != (fmt.name, s) for o in out):  # e4m3 = e4m3fn
+                out.append(v)
     return out
 
 
@@ -142,7 +145,7 @@ class VariantStats:
     subnormal: int
     lost: int
     err2: float
-    sqnr_db: float  # inf when there is no error at all
+    sqnr_db: float  # inf when there is no error at all; nan when no value is finite
     rel_mse: float
 
 
@@ -423,7 +426,9 @@ def tensor_stats(
     for k, v in enumerate(variants):
         e_m, e_e = _mant_exp(verr[k])
         e2 = _combine(verr[k])
-        if e_m == 0.0:
+        if res.nan + res.inf == numel:  # no finite value: nothing to compare, not "exact"
+            sqnr, rel = math.nan, math.nan
+        elif e_m == 0.0:
             sqnr, rel = math.inf, 0.0
         elif math.isinf(e_m):  # a dequantized value overflowed float32 (scale_inv near its max)
             sqnr, rel = -math.inf, math.inf

@@ -127,6 +127,9 @@ class Granularity:
         return -(-m // r), -(-n // c)
 
 
+_MAX_BLOCK = 1 << 62  # block sides fit int64 (a block larger than the tensor is one block)
+
+
 def parse_granularity(spec: str | Granularity) -> Granularity:
     """Parse ``"tensor"``, ``"row"``, ``"col"``, ``"block:RxC"``, ``"mx"``, ``"mx:floor"``,
     ``"mx:rceil"``. Raises ValueError naming the valid spellings; block sizes must be >= 1."""
@@ -144,8 +147,9 @@ def parse_granularity(spec: str | Granularity) -> Granularity:
     match = _BLOCK_RE.match(key)
     if match:
         r, c = int(match.group(1)), int(match.group(2))
-        if r < 1 or c < 1:
-            raise ValueError(f"granularity {spec!r}: block sizes must be positive, got {r}x{c}")
+        if not (1 <= r <= _MAX_BLOCK and 1 <= c <= _MAX_BLOCK):
+            raise ValueError(f"granularity {spec!r}: block sizes must be between 1 and 2**62, "
+                             f"got {r}x{c}")  # fmt: skip
         return Granularity("block", (r, c))
     raise ValueError(
         f"unknown granularity {spec!r}; valid: tensor, row, col, block:RxC (R, C >= 1, e.g. "

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +59,7 @@ from fp8sim.abs_histogram import (
     abs_histogram,
     cast_thresholds,
 )
+from fp8sim.atomic_file import atomic_write as _atomic_write
 from fp8sim.formats import FloatFormat, get_format
 
 __all__ = [
@@ -100,33 +100,26 @@ _TENSOR_RE = re.compile(r"^(\d{8})-(\d{5})\.safetensors$")
 # ------------------------------------------------------------------------------------------
 # files
 # ------------------------------------------------------------------------------------------
-def _atomic_write(path: Path, write) -> None:
-    """Write through ``write(fileobj)`` to a temp file in path's directory, fsync, os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def is_trace(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a trace directory (has a trace.json of this schema)."""
+    """Whether ``path`` is a trace directory: its trace.json is a JSON object of this schema
+    (a trace.json of something else, a profiler's say, is not). Raises ValueError for a
+    trace.json that names this schema but does not parse: a damaged trace, which must not pass
+    for a folder of other files."""
     p = Path(path) / _TRACE_JSON
     if not p.is_file():
         return False
     try:
-        return json.loads(p.read_text()).get("schema") == SCHEMA
-    except (OSError, ValueError):
+        text = p.read_bytes().decode("utf-8", errors="replace")
+    except OSError:
         return False
+    try:
+        meta = json.loads(text)
+    except ValueError:
+        if SCHEMA in text:
+            raise ValueError(f"{p}: corrupt trace.json (names the {SCHEMA} schema but is not "
+                             "valid JSON)") from None  # fmt: skip
+        return False
+    return isinstance(meta, dict) and meta.get("schema") == SCHEMA
 
 
 @dataclass(frozen=True)
