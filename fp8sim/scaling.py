@@ -148,8 +148,8 @@ def parse_granularity(spec: str | Granularity) -> Granularity:
     if match:
         r, c = int(match.group(1)), int(match.group(2))
         if not (1 <= r <= _MAX_BLOCK and 1 <= c <= _MAX_BLOCK):
-            raise ValueError(f"granularity {spec!r}: block sizes must be between 1 and 2**62, "
-                             f"got {r}x{c}")  # fmt: skip
+            raise ValueError(f"granularity {spec!r}: block sizes must be positive and at most "
+                             f"2**62, got {r}x{c}")  # fmt: skip
         return Granularity("block", (r, c))
     raise ValueError(
         f"unknown granularity {spec!r}; valid: tensor, row, col, block:RxC (R, C >= 1, e.g. "
