@@ -15,6 +15,8 @@ import importlib
 import os
 import sys
 
+from fp8sim.commands._output import one_line
+
 __all__ = ["main", "build_parser", "COMMAND_MODULES"]
 
 #: one module per subcommand group, in the order `fp8sim --help` lists them
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             UsageError) as exc:
         if os.environ.get("FP8SIM_DEBUG") == "1":
             raise
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        msg = one_line(str(exc)) or type(exc).__name__
         print(f"fp8sim {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug, not bad input: its own exit code (1 means --fail-on)
         if os.environ.get("FP8SIM_DEBUG") == "1":
             raise
-        msg = str(exc).splitlines()[0] if str(exc) else ""
+        msg = one_line(str(exc))
         print(f"fp8sim {args.command}: internal error: {type(exc).__name__}: {msg} (a bug; "
               "FP8SIM_DEBUG=1 shows the traceback)", file=sys.stderr)  # fmt: skip
         return 3

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from fp8sim.atomic_file import atomic_write
+from fp8sim.commands._output import one_line
 
 __all__ = ["register", "run_analyze", "run_replay"]
 
@@ -251,9 +252,10 @@ def run_analyze(args: argparse.Namespace) -> int:
     errors: list[dict] = []
 
     def bad(path: str, exc: Exception) -> None:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if not reason.startswith(path):
-            reason = f"{path}: {reason}"
+        reason = one_line(str(exc)) or type(exc).__name__
+        shown = one_line(path)  # a newline in a file name is written \n
+        if not reason.startswith(shown):
+            reason = f"{shown}: {reason}"
         if not args.keep_going:
             raise ValueError(reason)
         errors.append({"file": path, "reason": reason})

@@ -239,3 +239,24 @@ def test_an_internal_error_exits_3_in_one_line(good, capsys, monkeypatch):
     monkeypatch.delenv("FP8SIM_DEBUG", raising=False)
     rc, out, err = run(capsys, "analyze", good)
     assert rc == 3 and "internal error: RuntimeError: boom" in err and err.count("\n") == 1
+
+
+def test_a_newline_in_a_file_name_stays_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "odd\nname.npy"
+    bad.write_bytes(b"not an npy file")
+    rc, out, err = run(capsys, "analyze", bad)
+    assert rc == 2 and err.count("\n") == 1 and "odd\\nname.npy" in err and "corrupt" in err
+    good = tmp_path / "g.npy"
+    np.save(good, np.ones(3, np.float32))
+    rc, out, err = run(capsys, "analyze", bad, good, "--keep-going", "--format", "e4m3")
+    listed = err.split("bad files (1):\n", 1)[1]
+    assert rc == 2 and listed.count("\n") == 1 and "odd\\nname.npy" in listed
+
+
+def test_one_line_keeps_short_messages_whole_and_cuts_long_ones():
+    from fp8sim.commands._output import one_line
+
+    assert one_line("a\nb: corrupt") == "a\\nb: corrupt"
+    assert one_line("plain") == "plain"
+    long = "first line\n" + "x" * 1000
+    assert one_line(long) == "first line"
