@@ -6,8 +6,11 @@ Everything is untrusted input:
 * ``.pt``/``.pth`` load only through ``torch.load(..., weights_only=True)``: a pickle that wants
   to import or call code is refused with a clear message and never executed.
 * ``.npy``/``.npz`` load with ``allow_pickle=False`` semantics (object arrays are refused).
-* safetensors headers are parsed and checked here (offsets inside the file, sizes matching
-  shapes) before a byte of tensor data is read.
+* safetensors headers are parsed and checked here (offsets inside the file and not
+  overlapping, sizes matching shapes) before a byte of tensor data is read.
+* A stored (uncompressed) .npz member's CRC-32 is checked as its data is first read through
+  (Fortran-ordered ones: when opened), as ``np.load`` checks it; deflated members are checked
+  by zipfile itself. Big-endian arrays are read in native byte order, values unchanged.
 
 Memory: tensor data is never loaded whole. A :class:`TensorSource` hands out flat C-order element
 ranges (``read(start, stop)``) through ``os.pread`` (safetensors, .npy, stored .npz members), a
