@@ -256,6 +256,18 @@ def _as_reader(x: Any) -> tuple[Callable[[int, int], np.ndarray], tuple[int, ...
     return (lambda a, b: flat[a:b]), tuple(arr.shape), dtype, True
 
 
+def _group_range(start: int, size: int, n: int, r: int, c: int, gc: int) -> tuple[int, int]:
+    """(first, last) flat index, in the row-major (grid rows x gc) group grid of r x c tiles over
+    an (M, n) view, of the groups that elements [start, start + size) can touch: every group
+    they touch lies between the two (a chunk inside one row of a long row touches only its own
+    column groups, so the per-chunk grid stays bounded by the chunk, not by the row)."""
+    r0, c0 = divmod(start, n)
+    r1, c1 = divmod(start + size - 1, n)
+    if r0 == r1 or r == 1:  # element order is group order along (grid) rows
+        return (r0 // r) * gc + c0 // c, (r1 // r) * gc + c1 // c
+    return (r0 // r) * gc, (r1 // r) * gc + gc - 1  # whole grid rows
+
+
 def tensor_stats(
     x: Any,
     variants: Sequence[Variant],
@@ -315,23 +327,21 @@ def tensor_stats(
     need_a = bool(grans)
     for start in range(0, numel if need_a else 0, chunk):
         xc = read(start, min(numel, start + chunk))
-        first_row = start // n
-        last_row = (start + xc.size - 1) // n
         # granularities the kernel tiles (tensor's amax comes from the scan's amax)
         tiled = [k for k, g in enumerate(grans) if g.kind != "tensor"]
         gran = np.zeros((len(tiled), 4), np.int64)
         local_off = np.zeros(len(tiled) + 1, np.int64)
         for j, k in enumerate(tiled):
             r, c, gc, _ = g_tiles[k]
-            lo, hi = first_row // r, last_row // r
+            lo, hi = _group_range(start, xc.size, n, r, c, gc)
             gran[j] = (r, c, gc, lo)
-            local_off[j + 1] = local_off[j] + (hi - lo + 1) * gc
+            local_off[j + 1] = local_off[j] + (hi - lo + 1)
         gam, gnn, scanned = _pass_a(xc, start, n, gran, local_off, int(local_off[-1]),
                                     _parts(xc.size))  # fmt: skip
         _add_scan(scanned)
         for j, k in enumerate(tiled):
             a, b = int(local_off[j]), int(local_off[j + 1])
-            lo = int(gran[j, 3]) * int(gran[j, 2])
+            lo = int(gran[j, 3])
             tgt = slice(lo, lo + (b - a))
             g_amax[k][tgt] = np.maximum(g_amax[k][tgt], gam[:, a:b].max(axis=0))
             g_nan[k][tgt] |= gnn[:, a:b].sum(axis=0) > 0
@@ -354,7 +364,7 @@ def tensor_stats(
         else:
             gi = grans.index(v.granularity)
             r, c, gc, _ = g_tiles[gi]
-        shapes.append((r, gc, gi))
+        shapes.append((r, c, gc, gi))
         vint[k, 8] = int(r >= m and c >= n)  # one scale for the whole tensor
         vint[k, 9] = int(fmt.emax + 23 - fmt.mantissa_bits <= 127)  # see _cast_block_f32
         mb = fmt.mantissa_bits
@@ -384,21 +394,20 @@ def tensor_stats(
     smax = np.full(len(variants), -np.inf)
     whole_scales = {}  # variants with one scale for the whole tensor: computed once
     for k, v in enumerate(variants):
-        r, gc, gi = shapes[k]
+        r, _, gc, gi = shapes[k]
         if vint[k, 8]:
             whole_scales[k] = chunk_scales(v, gi, 0, gc)
     for start in range(0, numel, chunk):
         xc = read(start, min(numel, start + chunk))
-        first_row, last_row = start // n, (start + xc.size - 1) // n
         sc_parts, si_parts = [], []
         off = 0
         for k, v in enumerate(variants):
-            r, gc, gi = shapes[k]
-            lo, hi = first_row // r, last_row // r
+            r, c, gc, gi = shapes[k]
+            lo, hi = _group_range(start, xc.size, n, r, c, gc)
             if k in whole_scales:
                 mult, sinv = whole_scales[k]
             else:
-                mult, sinv = chunk_scales(v, gi, lo * gc, (hi + 1) * gc)
+                mult, sinv = chunk_scales(v, gi, lo, hi + 1)
             sc_parts.append(mult)
             si_parts.append(np.asarray(sinv, np.float32).reshape(-1))
             vint[k, 3] = off

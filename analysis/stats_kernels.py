@@ -86,7 +86,7 @@ def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, base, sig2, hist, 
             R = gran[g, 0]
             C = gran[g, 1]
             Gc = gran[g, 2]
-            row_base = local_off[g] + (r // R - gran[g, 3]) * Gc
+            row_base = local_off[g] + (r // R) * Gc - gran[g, 3]  # + t: the tile's local index
             cc = c
             while cc < c + seg:
                 t = cc // C
@@ -141,7 +141,8 @@ def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
     the scan keeps the cores busy meanwhile).
 
     x: the chunk (float32/float64), flat C-order elements i0 .. i0+x.size of the (M, ncols) view.
-    gran[g] = (R, C, Gc, first grid row of this chunk); granularity g's local grid starts at
+    gran[g] = (R, C, Gc, flat grid index of the first group this chunk can touch: see
+    stats._group_range); granularity g's local grid starts at
     local_off[g] in a per-part buffer of n_local entries.
     Returns gamax (P, n_local) group amax as float32 bits (NaN skipped, inf counted), gnan (P,
     n_local) NaN counts, and :func:`_scan_totals` of the chunk (its finite amax and inf count
@@ -238,7 +239,7 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base
                 else:
                     t = c // C
                     n_el = min(min((t + 1) * C, ncols) - c, b1 - j)
-                    row_base = vint[v, 3] + (r // R - vint[v, 7]) * Gc
+                    row_base = vint[v, 3] + (r // R) * Gc - vint[v, 7]
                 sc = scales[row_base + t]
                 si = sinvs[row_base + t]
                 if si != si:  # NaN MX scale: the whole block is NaN
@@ -283,10 +284,11 @@ def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
     format-independent figures (when pass A did not take them).
 
     vint[v] = (R, C, Gc, scale offset, shift = 23 - mantissa bits, float32 bits of fmt.max,
-    float32 bits of fmt.min_normal, first grid row of the chunk, 1 if one scale covers the whole
-    tensor, 1 if float32 blocks may take :func:`analysis.stats_blocks._cast_block_f32`); vflt[v] = (2**(emin - m +
-    23), fmt.max, fmt.min_normal). scales / sinvs: each variant's scale grid rows that the chunk
-    touches, flat (float32), variant v's from offset vint[v, 3]. Returns, summed over the parts
+    float32 bits of fmt.min_normal, flat grid index of the chunk's first group
+    (stats._group_range), 1 if one scale covers the whole tensor, 1 if float32 blocks may take
+    :func:`analysis.stats_blocks._cast_block_f32`); vflt[v] = (2**(emin - m + 23), fmt.max,
+    fmt.min_normal). scales / sinvs: each variant's scales of the groups the chunk can touch,
+    flat (float32), variant v's from offset vint[v, 3]. Returns, summed over the parts
     (in part order, so the figures depend only on the part count): :func:`_scan_totals` (None
     without ``scan``), counts (V, 5) = overflow, finite values that round to 0 and that round
     below min_normal (both with the zeros: see analysis.stats_blocks._cast_block), lost (NaN MX

@@ -322,3 +322,40 @@ def test_zeros_in_lost_mx_blocks_are_neither_underflow_nor_subnormal():
         (v,) = tensor_stats(x.astype(dt), parse_variants(["e4m3"], ["mx"])).variants
         assert (v.underflow, v.subnormal, v.lost) == (ref["underflow"], ref["subnormal"], ref["lost"])
         assert v.lost == 31 and v.underflow >= 1
+
+
+def test_group_range_holds_every_touched_group_and_no_whole_long_row():
+    # brute force over small shapes, tiles and chunks: every group a chunk touches lies in the
+    # range; along rows (r == 1, or a chunk inside one row) the range is exactly those groups
+    from analysis.stats import _group_range
+
+    for m, n in [(1, 37), (3, 10), (7, 5), (4, 64)]:
+        for r, c in [(1, 1), (1, 4), (2, 3), (3, 8), (m, n), (1, n)]:
+            gc = -(-n // c)
+            for start in range(m * n):
+                for size in (1, 2, 5, 11, m * n):
+                    size = min(size, m * n - start)
+                    idx = np.arange(start, start + size)
+                    groups = (idx // n // r) * gc + (idx % n) // c
+                    lo, hi = _group_range(start, size, n, r, c, gc)
+                    assert lo <= groups.min() and groups.max() <= hi, (m, n, r, c, start, size)
+                    if r == 1 or start // n == (start + size - 1) // n:
+                        assert (lo, hi) == (groups.min(), groups.max())
+
+
+def test_long_rows_cut_into_chunks_give_the_whole_tensor_figures():
+    # one long row and two: chunks inside a row; MX groups of 32 and 1x128 blocks per chunk
+    rng = np.random.default_rng(11)
+    for shape in [(1, 70_001), (2, 40_000)]:
+        x = mixed(rng, shape)
+        vs = parse_variants(["e4m3", "e5m2"], ["mx", "block:1x128", "row", "tensor"])
+        whole = tensor_stats(x, vs, chunk=x.size)
+        cut = tensor_stats(x, vs, chunk=4321)
+        for a, b in zip(whole.variants, cut.variants):
+            assert (a.overflow, a.underflow, a.subnormal, a.lost, a.scale, a.scale_max) == (
+                b.overflow, b.underflow, b.subnormal, b.lost, b.scale, b.scale_max)
+            assert a.err2 == pytest.approx(b.err2, rel=1e-12, abs=0)
+        for v, r in zip(vs, cut.variants):
+            ref = reference(x, v.fmt.name, v.scaling)
+            assert (r.underflow, r.subnormal, r.lost) == (ref["underflow"], ref["subnormal"], ref["lost"])
+            assert r.err2 == pytest.approx(ref["err2"], rel=1e-12, abs=0)
