@@ -138,7 +138,8 @@ def replay_policies(
     progress: Callable[[int], None] | None = None,
 ) -> list[PolicyReplay]:
     """Replay each policy spec over ``trace`` (see the module docstring). Returns one
-    :class:`PolicyReplay` per spec, plus ``recorded`` first when ``include_recorded``.
+    :class:`PolicyReplay` per distinct policy (``current`` and ``current:margin=0`` are one),
+    plus ``recorded`` first when ``include_recorded``.
 
     Raises ValueError for a bad spec, and for MX policies (a per-tensor trace has no block
     amaxes to replay them from). ``progress(n)`` is called per record and policy.
@@ -155,7 +156,8 @@ def replay_policies(
                 f"policy {spec!r}: {pol.granularity} scaling cannot be replayed from a per-tensor "
                 "trace (it needs per-block amaxes); replay tensor-scaled policies"
             )
-        policies.append((spec, pol))
+        if all(pol.spec != p.spec for _, p in policies):  # the same policy spelled twice: once
+            policies.append((spec, pol))
     names = [t.name for t in reader.tensors]
     outs = []
     if include_recorded:

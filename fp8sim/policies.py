@@ -17,7 +17,8 @@ them with their parameters):
 * ``current`` -- just in time: :func:`fp8sim.scaling.scale_from_amax` of this step's amax
   (amax 0 / inf / NaN gives 1). ``gran`` picks per-row/col/block scales for :meth:`quantize`.
 * ``delayed`` -- Transformer Engine's ``DelayedScaling``: the amax history holds the last
-  ``history`` amaxes (zeros before the first steps), rolled every step; the reduced amax is their
+  ``history`` amaxes (zeros before the first steps), rolled at every step whose amax is not 0
+  (TE's bulk update leaves history and scale alone on an amax of 0); the reduced amax is their
   maximum (``algo=max``; NaN entries are skipped as CUDA ``fmaxf`` does, an inf is kept) or this
   step's amax (``most_recent``). If it is finite and > 0 the new scale is
   ``float32(fmax / amax) / 2**margin`` (inf -> float32 max), else the previous scale stays. The
@@ -285,11 +286,15 @@ class CurrentScaling(ScalingPolicy):
 # -- delayed (Transformer Engine) ---------------------------------------------------------------
 
 
+#: the longest amax history ``delayed`` keeps (TE uses 1024; one list of this length per tensor)
+_MAX_HISTORY = 1 << 20
+
+
 class DelayedScaling(ScalingPolicy):
     NAME = "delayed"
     DESCRIPTION = "Transformer Engine DelayedScaling: scale from the amax history of previous steps"
     PARAMS = {
-        "history": Param(1024, "amax_history_len: amaxes kept (rolled every step)"),
+        "history": Param(1024, "amax_history_len: amaxes kept (rolled at each nonzero amax)"),
         "algo": Param(
             "max",
             "amax_compute_algo: max of the history, or the most recent amax",
@@ -300,8 +305,9 @@ class DelayedScaling(ScalingPolicy):
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
-        if self.params["history"] < 1:
-            raise ValueError(f"delayed: history must be >= 1, got {self.params['history']}")
+        if not 1 <= self.params["history"] <= _MAX_HISTORY:
+            raise ValueError(f"delayed: history must be >= 1 and <= {_MAX_HISTORY}, got "
+                             f"{self.params['history']:.6g}")  # fmt: skip
         _check_margin(self.NAME, self.params["margin"])
 
     def _fresh_state(self) -> dict:
@@ -501,8 +507,11 @@ class StaticScaling(ScalingPolicy):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         s = self.params["scale"]
-        if not (math.isfinite(s) and s > 0):
-            raise ValueError(f"static: scale must be finite and > 0, got {s}")
+        with np.errstate(over="ignore"):
+            s32 = _f32(s) if math.isfinite(s) and s > 0 else 0.0
+        if not (math.isfinite(s32) and s32 > 0):  # the scale is used as a float32
+            raise ValueError(f"static: scale must be finite and > 0 as a float32 (at most "
+                             f"3.4028235e+38, at least 1.4e-45), got {s}")  # fmt: skip
 
     def scale_for(
         self, name: str, fmt: FloatFormat | str, current_amax: float | None = None

@@ -317,7 +317,13 @@ class TraceWriter:
         fmt_obj = get_format(fmt if fmt is not None else self._meta["tensors"][tid]["format"])
         if not (isinstance(scale, (int, float, np.floating)) or np.ndim(scale) == 0):
             raise TypeError(f"{name!r}: scale must be a scalar (per-tensor scaling)")
-        scale_f = float(np.float32(float(scale)))
+        with np.errstate(over="ignore"):
+            scale_f = float(np.float32(float(scale)))
+        if not (0 < scale_f < np.inf):  # replay rebuilds the cast from it: a usable scale only
+            raise ValueError(f"{name!r} step {step}: scale must be finite and > 0 as a float32, "
+                             f"got {scale}")  # fmt: skip
+        if amax is not None and float(amax) < 0:  # NaN and inf are what a policy may see
+            raise ValueError(f"{name!r} step {step}: amax must be >= 0 (or NaN/inf), got {amax}")
         r = _histogram_and_counts(x, fmt_obj, scale_f, self.rounding, self.hist_mantissa_bits)
         if not self._buf_steps or self._buf_steps[-1] != step:
             self._complete_steps_ready()  # the previous step is now complete

@@ -129,3 +129,11 @@ def test_at_max_counts_values_landing_on_max():
             q = fp8sim.quantize(x * np.float32(2.0**j), fmt, saturate=True)
             want = int((np.abs(q) == f.max).sum())
             assert _at_max(h, f, 2.0**j) == (want, want), (fmt, j)
+
+
+def test_the_same_policy_spelled_twice_is_replayed_once(trace):
+    path, _ = trace
+    reps = replay_policies(path, ["current", "current:margin=0", "delayed:history=4",
+                                  "delayed:history=4,algo=max"], include_recorded=False)  # fmt: skip
+    assert [r.policy for r in reps] == [parse_policy("current").spec,
+                                        parse_policy("delayed:history=4").spec]  # fmt: skip

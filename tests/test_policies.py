@@ -311,6 +311,9 @@ def test_spec_forms():
         ("autoscale:ratio=2", "ratio"),
         ("autoscale:mu_init=4", "mu_init <= mu_max"),
         ("static:scale=0", "finite and > 0"),
+        ("static:scale=1e39", "as a float32"),  # rounds to inf in float32
+        ("static:scale=1e-50", "as a float32"),  # rounds to 0
+        ("delayed:history=1e300", "<= 1048576"),
         ("static:scale=nan", "NaN"),
         ("mx:ceil", "floor, rceil"),
     ],

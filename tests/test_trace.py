@@ -417,3 +417,17 @@ def test_interrupted_truncation_leaves_no_duplicate_steps(tmp_path):
     assert len(list((t / "chunks").iterdir())) == 2 and not old.exists()
     r = TraceReader(t)
     assert r.steps().tolist() == [1, 2, 3, 4] and r.scalars()["step"].size == 8
+
+
+@pytest.mark.parametrize("kw, what", [
+    ({"scale": float("inf")}, "scale"), ({"scale": 0.0}, "scale"), ({"scale": 1e39}, "scale"),
+    ({"scale": 1e-50}, "scale"), ({"scale": float("nan")}, "scale"),
+    ({"scale": 1.0, "amax": -1.0}, "amax"),
+])  # fmt: skip
+def test_record_refuses_what_replay_cannot_use(tmp_path, kw, what):
+    with TraceWriter(tmp_path / "t", {}) as tw:
+        tw.add_tensor("w", "weight", "e4m3", (4,))
+        with pytest.raises(ValueError, match=what):
+            tw.record(0, "w", np.ones(4, np.float32), **kw)
+        tw.record(0, "w", np.ones(4, np.float32), scale=1.0, amax=float("nan"))  # NaN/inf: kept
+        tw.record(1, "w", np.ones(4, np.float32), scale=1.0, amax=float("inf"))
