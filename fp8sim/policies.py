@@ -507,9 +507,7 @@ class StaticScaling(ScalingPolicy):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         s = self.params["scale"]
-        with np.errstate(over="ignore"):
-            s32 = _f32(s) if math.isfinite(s) and s > 0 else 0.0
-        if not (math.isfinite(s32) and s32 > 0):  # the scale is used as a float32
+        if not (math.isfinite(s) and 1.4e-45 <= s <= _F32_MAX):  # used as a float32: not 0/inf
             raise ValueError(f"static: scale must be finite and > 0 as a float32 (at most "
                              f"3.4028235e+38, at least 1.4e-45), got {s}")  # fmt: skip
 
