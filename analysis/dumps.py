@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from analysis.dumps_strided import fetch_strided_reader, fortran_strides, mmap_strided_reader
+from analysis.dumps_strided import fortran_strides, mmap_strided_reader, spilled_strided_reader
 from fp8sim.trace import TraceReader, is_trace
 
 __all__ = [
@@ -312,6 +312,28 @@ def _zip_data_offset(path: str, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
+def _member_filler(path: str, member: str, header_len: int, nbytes: int):
+    """fill(f): write the data bytes of a deflated npz member into ``f``, piece by piece (zipfile
+    checks the CRC-32 at the end). Raises ValueError naming the member if it is damaged or
+    short."""
+
+    def fill(f) -> None:
+        got = 0
+        try:
+            with zipfile.ZipFile(path) as zf, zf.open(member) as fh:
+                fh.read(header_len)
+                while piece := fh.read(16 << 20):
+                    f.write(piece)
+                    got += len(piece)
+        except (zipfile.BadZipFile, EOFError, zlib.error) as exc:
+            raise ValueError(f"{path}: corrupt .npz member {member} ({exc})") from None
+        if got != nbytes:
+            raise ValueError(f"{path}: corrupt .npz member {member}: {got} data bytes, "
+                             f"{nbytes} expected")  # fmt: skip
+
+    return fill
+
+
 def _stream_reader(path: str, member: str, header_len: int, raw: Any, itemsize: int):
     """Sequential reads of a deflated npz member; a backwards read reopens the stream."""
     state: dict[str, Any] = {"pos": None, "zf": None, "fh": None}
@@ -421,10 +443,13 @@ def _open_npz(path: str) -> Dump:
                         reader = _crc_checked(_pread_reader(path, off, raw, dt.itemsize),
                                               _header_crc(zf, info, header_len), info.CRC,
                                               numel, where)  # fmt: skip
+                elif strided:  # C order out of a stream in storage order: spilled to disk once
+                    reader = spilled_strided_reader(
+                        _member_filler(path, info.filename, header_len, numel * dt.itemsize),
+                        shape, strides, raw,
+                    )  # fmt: skip
                 else:
                     reader = _stream_reader(path, info.filename, header_len, raw, dt.itemsize)
-                    if strided:
-                        reader = fetch_strided_reader(reader, shape, strides, raw)
             tensors.append(TensorSource(member_name, path, shape, name, reader))
     return Dump(path, "npz", tensors, skipped)
 
