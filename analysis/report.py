@@ -56,7 +56,7 @@ REPLAY_FAIL_METRICS = {
     "events": ("events", None),
 }
 _OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
-_RULE_RE = re.compile(r"^\s*([a-z_0-9]+)\s*(>=|<=|>|<)\s*([-+0-9.eE]+|inf)\s*(%?)\s*$")
+_RULE_RE = re.compile(r"^\s*([a-z_0-9]+)\s*(>=|<=|>|<)\s*([-+0-9.eE]+|[-+]?inf)\s*(%?)\s*$")
 
 
 @dataclass(frozen=True)

@@ -260,3 +260,13 @@ def test_one_line_keeps_short_messages_whole_and_cuts_long_ones():
     assert one_line("plain") == "plain"
     long = "first line\n" + "x" * 1000
     assert one_line(long) == "first line"
+
+
+def test_fail_on_takes_both_infinities():
+    from analysis.report import parse_fail_on
+
+    (hi,), (lo,) = parse_fail_on("overflow>inf"), parse_fail_on("sqnr_db>-inf")
+    assert hi.value == float("inf") and lo.value == float("-inf")
+    assert not hi.crossed({"overflow": 10**9}) and lo.crossed({"sqnr_db": -1e300, "rel_mse": 1.0})
+    with pytest.raises(ValueError):
+        parse_fail_on("overflow>nan")
