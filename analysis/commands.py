@@ -239,8 +239,9 @@ def run_analyze(args: argparse.Namespace) -> int:
     )
     from analysis.stats import parse_variants, tensor_stats
 
-    if not math.isfinite(args.margin) or abs(args.margin) > 126:
-        raise ValueError(f"--margin {args.margin}: must be finite, within [-126, 126] binades")
+    from fp8sim.scaling import check_margin
+
+    check_margin(args.margin, "--margin")  # before any file, not once per file
     variants = parse_variants(_split(args.format), _split(args.scaling), margin=args.margin,
                               pow2=args.pow2)  # fmt: skip
     rules = parse_fail_on(args.fail_on) if args.fail_on is not None else []

@@ -318,20 +318,28 @@ def _member_filler(path: str, member: str, header_len: int, nbytes: int):
     short."""
 
     def fill(f) -> None:
-        got = 0
-        try:
-            with zipfile.ZipFile(path) as zf, zf.open(member) as fh:
-                fh.read(header_len)
-                while piece := fh.read(16 << 20):
-                    f.write(piece)
-                    got += len(piece)
-        except (zipfile.BadZipFile, EOFError, zlib.error) as exc:
-            raise ValueError(f"{path}: corrupt .npz member {member} ({exc})") from None
+        got = _read_member_through(path, member, header_len, f.write)
         if got != nbytes:
             raise ValueError(f"{path}: corrupt .npz member {member}: {got} data bytes, "
                              f"{nbytes} expected")  # fmt: skip
 
     return fill
+
+
+def _read_member_through(path: str, member: str, skip: int, write: Callable[[bytes], Any]) -> int:
+    """Read a zip member to its end (zipfile checks its CRC-32 there), handing every byte past
+    the first ``skip`` to ``write``; returns their count. ValueError naming the member if it is
+    damaged."""
+    got = 0
+    try:
+        with zipfile.ZipFile(path) as zf, zf.open(member) as fh:
+            fh.read(skip)
+            while piece := fh.read(16 << 20):
+                write(piece)
+                got += len(piece)
+    except (zipfile.BadZipFile, EOFError, zlib.error) as exc:
+        raise ValueError(f"{path}: corrupt .npz member {member} ({exc})") from None
+    return got
 
 
 def _stream_reader(path: str, member: str, header_len: int, raw: Any, itemsize: int):
@@ -368,16 +376,6 @@ def _header_crc(zf: zipfile.ZipFile, info: zipfile.ZipInfo, header_len: int) -> 
     """CRC-32 of a stored member's first ``header_len`` bytes (its .npy header)."""
     with zf.open(info) as fh:
         return zlib.crc32(fh.read(header_len))
-
-
-def _check_stored_crc(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> None:
-    """Read a stored member through once: zipfile checks its CRC-32 at the end."""
-    try:
-        with zf.open(info) as fh:
-            while fh.read(1 << 24):
-                pass
-    except zipfile.BadZipFile as exc:
-        raise ValueError(f"{where} ({exc})") from None
 
 
 def _crc_checked(read: Callable[[int, int], np.ndarray], crc: int, expected: int, numel: int,
@@ -434,12 +432,12 @@ def _open_npz(path: str) -> Dump:
                     off = _zip_data_offset(path, info) + header_len
                     if off + numel * dt.itemsize > os.path.getsize(path):
                         raise ValueError(f"{path}: truncated .npz: member {info.filename} cut off")
-                    where = f"{path}: corrupt .npz member {info.filename}"
                     if strided or numel == 0:  # read out of file order (or nothing): check now
-                        _check_stored_crc(zf, info, where)
+                        _read_member_through(path, info.filename, 0, lambda b: None)
                         reader = (mmap_strided_reader(path, off, shape, strides, raw) if strided
                                   else _pread_reader(path, off, raw, dt.itemsize))  # fmt: skip
                     else:  # checked as the data is first read through, in order
+                        where = f"{path}: corrupt .npz member {info.filename}"
                         reader = _crc_checked(_pread_reader(path, off, raw, dt.itemsize),
                                               _header_crc(zf, info, header_len), info.CRC,
                                               numel, where)  # fmt: skip

@@ -56,6 +56,7 @@ __all__ = [
     "MX_RULES",
     "Granularity",
     "parse_granularity",
+    "check_margin",
     "view2d",
     "compute_amax",
     "scale_from_amax",
@@ -234,6 +235,15 @@ def _pow2_floor(s: np.ndarray) -> np.ndarray:
     return np.ldexp(np.float32(1), exp - 1).astype(np.float32)
 
 
+def check_margin(margin: float, where: str = "margin") -> float:
+    """``margin`` as a float if it is a usable scale headroom in binades (finite, |margin| <=
+    126: the scale stays a normal float32 factor), else ValueError ``"<where>: ..."``."""
+    margin = float(margin)
+    if not math.isfinite(margin) or abs(margin) > 126:
+        raise ValueError(f"{where}: margin must be finite with |margin| <= 126, got {margin}")
+    return margin
+
+
 def scale_from_amax(
     amax: Any,
     fmt: FloatFormat | str,
@@ -254,11 +264,7 @@ def scale_from_amax(
     a = np.array(amax, dtype=np.float32)
     if np.any(a < 0):
         raise ValueError("scale_from_amax: amax must be >= 0 (it is a maximum of |x|)")
-    margin = float(margin)
-    if not math.isfinite(margin) or abs(margin) > 126:
-        raise ValueError(
-            f"scale_from_amax: margin must be finite with |margin| <= 126, got {margin}"
-        )
+    margin = check_margin(margin, "scale_from_amax")
     epsilon = float(epsilon)
     if not (math.isfinite(epsilon) and epsilon >= 0):
         raise ValueError(f"scale_from_amax: epsilon must be finite and >= 0, got {epsilon}")
