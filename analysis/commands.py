@@ -228,7 +228,7 @@ def _histogram_plot(plot_dir: str, index: int, st, file: str) -> None:
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    from analysis.dumps import expand_paths, open_dump
+    from analysis.dumps import FLOAT_DTYPES, expand_paths, open_dump
     from analysis.report import (
         Thresholds,
         classify,
@@ -308,8 +308,8 @@ def run_analyze(args: argparse.Namespace) -> int:
                 bar.set_description(src.name[-30:], refresh=False)
                 if not src.is_float:
                     notes.append({"file": dump.path, "name": src.name,
-                                  "note": f"skipped: {src.dtype} tensor (analyzed: float16, bfloat16, "
-                                          "float32, float64)"})  # fmt: skip
+                                  "note": f"skipped: {src.dtype} tensor (analyzed: "
+                                          f"{', '.join(FLOAT_DTYPES)})"})  # fmt: skip
                     continue
                 if src.numel == 0:
                     notes.append({"file": dump.path, "name": src.name,

@@ -21,6 +21,10 @@ Fortran-ordered arrays and non-contiguous tensors are copied out of a file mappi
 
 Nested containers (dicts, lists, tuples in a .pt; ``/`` in npz member names) become dotted names:
 ``{"model": {"layers": [{"w": t}]}}`` -> ``model.layers.0.w``.
+
+FP8 tensors (safetensors ``F8_E4M3``/``F8_E5M2``; torch ``float8_e4m3fn``, ``float8_e5m2`` and
+the FNUZ pair in a .pt) are read as the exact float32 values of their codes (the emulator's decode
+table; NaN codes give NaN): the values as stored, no companion scale applied.
 """
 
 from __future__ import annotations
@@ -52,8 +56,11 @@ __all__ = [
 
 #: file suffixes recognised inside directories
 DUMP_SUFFIXES = (".safetensors", ".pt", ".pth", ".npy", ".npz")
+#: FP8 dtypes (torch's names) and the fp8sim format whose decode table gives their values
+FP8_DTYPES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float8_e4m3fnuz": "e4m3fnuz",
+              "float8_e5m2fnuz": "e5m2fnuz"}  # fmt: skip
 #: dtypes the analysis reads (others are listed as skipped)
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64", *FP8_DTYPES)
 
 _ST_DTYPES = {
     "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
@@ -66,7 +73,8 @@ _ITEMSIZE = {
     "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }  # fmt: skip
-_RAW = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64}
+_RAW = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64,
+        **{name: np.uint8 for name in FP8_DTYPES}}  # fmt: skip
 
 
 def _checked_numel(shape: Any, where: str) -> tuple[tuple[int, ...], int]:
@@ -83,7 +91,12 @@ def _checked_numel(shape: Any, where: str) -> tuple[tuple[int, ...], int]:
 
 
 def _widen(raw: np.ndarray, dtype: str) -> np.ndarray:
-    """float32/float64 values of raw elements (bfloat16 given as uint16 bits); exact."""
+    """float32/float64 values of raw elements (bfloat16 given as uint16 bits, FP8 as uint8
+    codes); exact."""
+    if dtype in FP8_DTYPES:
+        from fp8sim.emulator import decode_table
+
+        return decode_table(FP8_DTYPES[dtype], np.float32)[raw]
     if dtype == "bfloat16":
         return (raw.astype(np.uint32) << 16).view(np.float32)
     if dtype == "float16":
@@ -99,8 +112,8 @@ class TensorSource:
         name: dotted name inside the dump (``model.layers.0.w``; ``w@step100`` in a trace).
         file: the file it lives in.
         shape: tuple of ints.
-        dtype: ``float16 | bfloat16 | float32 | float64`` (or another dtype name for tensors the
-            analysis skips; see :attr:`is_float`).
+        dtype: one of :data:`FLOAT_DTYPES` (or another dtype name for tensors the analysis
+            skips; see :attr:`is_float`).
     """
 
     name: str
@@ -122,7 +135,7 @@ class TensorSource:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Elements ``[start, stop)`` of the flat C-order tensor as float32 (float16/bfloat16/
-        float32 inputs, exact) or float64. Raises ValueError naming the file if the data cannot
+        float32/FP8 inputs, exact) or float64. Raises ValueError naming the file if the data cannot
         be read (truncated, corrupt)."""
         if not self.is_float:
             raise TypeError(f"{self.file}: {self.name} has dtype {self.dtype}, not a float tensor")

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis.dumps import _RAW, FLOAT_DTYPES, Dump, TensorSource, _pread_reader
+from analysis.dumps import _RAW, FLOAT_DTYPES, FP8_DTYPES, Dump, TensorSource, _pread_reader
 from analysis.dumps_strided import copy_c_range, drop_pages, mmap_strided_reader, readahead
 
 __all__ = ["open_pt"]
@@ -39,6 +39,8 @@ def _torch_reader(t: Any, dtype: str, mmapped: bool):
 
     if dtype == "bfloat16":
         t = t.view(torch.int16)  # same element size: works for any strides
+    elif dtype in FP8_DTYPES:
+        t = t.view(torch.uint8)  # the codes
     if not t.is_contiguous():
         arr = t.numpy()  # a strided view of the storage, no copy
         drop = None
