@@ -54,8 +54,10 @@ __all__ = [
     "FLOAT_DTYPES",
 ]
 
-#: file suffixes recognised inside directories
+#: file suffixes recognised inside directories (and ``pytorch_model*.bin``: see expand_paths)
 DUMP_SUFFIXES = (".safetensors", ".pt", ".pth", ".npy", ".npz")
+#: torch checkpoints named ``.bin`` (Hugging Face ``pytorch_model.bin``) open as .pt files
+_TORCH_BIN = ".bin"
 #: FP8 dtypes (torch's names) and the fp8sim format whose decode table gives their values
 FP8_DTYPES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float8_e4m3fnuz": "e4m3fnuz",
               "float8_e5m2fnuz": "e5m2fnuz"}  # fmt: skip
@@ -489,12 +491,24 @@ def _open_pt(path: str) -> Dump:
     return open_pt(path)
 
 
+def _open_bin(path: str) -> Dump:
+    """A ``.bin`` file as a torch checkpoint (Hugging Face ``pytorch_model.bin``) when it starts
+    like one (a zip, or a pickle: the legacy format), else ValueError: never guessed further."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"PK\x03\x04" and head[:1] != b"\x80":
+        raise ValueError(f"{path}: a .bin file that is not a torch checkpoint (neither a zip nor "
+                         "a pickle); valid .bin dumps are torch.save files")  # fmt: skip
+    return _open_pt(path)
+
+
 _OPENERS = {
     ".safetensors": _open_safetensors,
     ".pt": _open_pt,
     ".pth": _open_pt,
     ".npy": _open_npy,
     ".npz": _open_npz,
+    _TORCH_BIN: _open_bin,
 }
 
 
@@ -516,7 +530,8 @@ def open_dump(path: str | os.PathLike) -> Dump:
     if opener is None:
         raise ValueError(
             f"{p}: unknown dump type {suffix or '(no suffix)'}; valid: "
-            f"{', '.join(DUMP_SUFFIXES)}, or an fp8sim trace directory"
+            f"{', '.join(DUMP_SUFFIXES)}, {_TORCH_BIN} (a torch checkpoint), or an fp8sim trace "
+            "directory"
         )
     return _open_one_line(opener, p)
 
@@ -550,7 +565,9 @@ def _trace_or_damaged(d: str) -> bool:
 
 def expand_paths(paths: list[str | os.PathLike]) -> list[str]:
     """Files and trace directories to open: directories are walked (sorted) for
-    :data:`DUMP_SUFFIXES` files and trace subdirectories. A missing path raises ValueError."""
+    :data:`DUMP_SUFFIXES` files, Hugging Face weight files ``pytorch_model*.bin`` (not other
+    ``.bin`` files such as ``training_args.bin``: name those explicitly) and trace
+    subdirectories. A missing path raises ValueError."""
     out: list[str] = []
     for path in paths:
         p = str(path)
@@ -565,11 +582,16 @@ def expand_paths(paths: list[str | os.PathLike]) -> list[str]:
                 out.extend(
                     os.path.join(root, f)
                     for f in sorted(files)
-                    if Path(f).suffix.lower() in DUMP_SUFFIXES
+                    if Path(f).suffix.lower() in DUMP_SUFFIXES or _hf_torch_weights(f)
                 )
         else:
             out.append(p)
     return out
+
+
+def _hf_torch_weights(name: str) -> bool:
+    """``pytorch_model.bin`` or a shard ``pytorch_model-00001-of-00002.bin``."""
+    return name.startswith("pytorch_model") and name.endswith(_TORCH_BIN)
 
 
 def iter_dumps(paths: list[str | os.PathLike]) -> Iterator[tuple[str, Dump | ValueError]]:

@@ -270,3 +270,27 @@ def test_fail_on_takes_both_infinities():
     assert not hi.crossed({"overflow": 10**9}) and lo.crossed({"sqnr_db": -1e300, "rel_mse": 1.0})
     with pytest.raises(ValueError):
         parse_fail_on("overflow>nan")
+
+
+def test_hugging_face_torch_bin_checkpoints(tmp_path, capsys):
+    """``pytorch_model*.bin`` (torch.save zips) are read in a directory and when named; another
+    .bin in a directory is left alone; a .bin that is no torch file is refused in one line."""
+    import torch
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    torch.save({"w": torch.full((4,), 700.0)}, d / "pytorch_model-00001-of-00002.bin")
+    torch.save({"v": torch.ones(3)}, d / "pytorch_model-00002-of-00002.bin")
+    torch.save({"lr": 1e-3}, d / "training_args.bin")  # not weights: not picked up
+    (d / "vocab.bin").write_bytes(b"\x00\x01\x02\x03")
+    out = tmp_path / "r.json"
+    rc, _, err = run(capsys, "analyze", d, "--format", "e4m3", "--scaling", "none", "--json", out)
+    assert rc == 0, err
+    recs = records(out)
+    assert sorted((r["name"], r["overflow"]) for r in recs) == [("v", 0), ("w", 4)]
+    assert all(r["file"].endswith(".bin") and "pytorch_model" in r["file"] for r in recs)
+    rc, _, err = run(capsys, "analyze", d / "training_args.bin")  # named: opened, nothing to do
+    assert rc == 0 and "lr: skipped: not a tensor" in err
+    rc, _, err = run(capsys, "analyze", d / "vocab.bin")
+    assert rc == 2 and "vocab.bin: a .bin file that is not a torch checkpoint" in err
+    assert len(err.strip().splitlines()) == 1
