@@ -302,69 +302,115 @@ class AbsHistogram:
         edge = self._bin_id(thr.underflow_e - int(scale_exp), thr.underflow_m, thr.m_bits)
         return self._count_below(edge + 1 if thr.underflow_tie else edge)
 
-    def _value_bin(self, v: float) -> tuple[int, bool]:
-        """(bin id holding float64 v > 0, whether v is exactly that bin's lower edge)."""
+    def _value_bin(self, v: float) -> int:
+        """The bin id holding float64 ``v > 0`` (finite): ids below it hold only smaller values,
+        ids above it only larger ones."""
         fr, ex = math.frexp(v)
         f = (2.0 * fr - 1.0) * 2.0**self.mantissa_bits
         m = int(f)
-        exact = f == m
-        return ((ex - 1 - EXPONENT_MIN) << (self.mantissa_bits + 1)) + 2 * m + (not exact), exact
+        return ((ex - 1 - EXPONENT_MIN) << (self.mantissa_bits + 1)) + 2 * m + (f != m)
+
+    def _bin_counted(self, bin_id: int, threshold: float, inclusive: bool, s32: np.float32) -> int:
+        """For one bin: 1 if every value v in it has ``p = float32(v * s) > threshold`` (``>=``
+        with ``inclusive``), 0 if none has, -1 if that depends on where in the bin v lies.
+        Exact: an exact bin is one value; an open bin's values are the float32s strictly between
+        its edges, and p is non-decreasing in v, so its smallest and largest decide."""
+        k = self.mantissa_bits
+        e = (bin_id >> (k + 1)) + EXPONENT_MIN
+        if e == EXPONENT_MIN:  # float32(|x|) == 0: p = 0
+            return 0
+        if e == EXPONENT_MAX:  # float32(|x|) == inf: p = inf
+            return 1
+        m2 = bin_id & ((1 << (k + 1)) - 1)
+        edge = np.float32(math.ldexp(1.0 + (m2 >> 1) / 2.0**k, e))
+        if m2 & 1 == 0:
+            vals = (edge,)
+        else:
+            nxt = np.float32(math.ldexp(1.0 + ((m2 >> 1) + 1) / 2.0**k, e))
+            vals = (np.nextafter(edge, np.float32(np.inf)), np.nextafter(nxt, np.float32(0)))
+        with np.errstate(over="ignore"):
+            hit = [float(v * s32) >= threshold if inclusive else float(v * s32) > threshold
+                   for v in vals]  # fmt: skip
+        return 1 if all(hit) else (0 if not any(hit) else -1)
+
+    def _scaled_above(self, threshold: float, scale: float, inclusive: bool) -> tuple[int, int]:
+        """(lower, upper) bound of the count of values with ``p = float32(float32(|x|) *
+        float32(scale)) > threshold`` (``>=`` with ``inclusive``), for a positive finite scale
+        and threshold. The float32 product is within ``d = max(threshold * 2**-20, 2**-148)`` of
+        the exact one near the threshold, so only bins that meet ``[(threshold - d) / scale,
+        (threshold + d) / scale]`` can go either way; each of those is decided by
+        :meth:`_bin_counted`. The bounds differ only by the values of open bins that straddle
+        the threshold, and are equal whenever no value lies in such a bin."""
+        s32 = np.float32(scale)
+        s = float(s32)
+        d = max(threshold * 2.0**-20, 2.0**-148)
+        lo_t, hi_t = (threshold - d) / s, (threshold + d) / s
+        first = 1 << (self.mantissa_bits + 1)  # the first id above the float32-zero sentinel
+        top = (EXPONENT_MAX - EXPONENT_MIN) << (self.mantissa_bits + 1)  # the float32-inf one
+        if not lo_t < math.inf:  # only float32 infs reach the threshold
+            n = self.nonzero - self._count_below(top)
+            return n, n
+        b_lo = max(first, self._value_bin(lo_t)) if lo_t > 0 else first
+        b_hi = min(top - 1, self._value_bin(hi_t)) if hi_t < math.inf else top - 1
+        # bins above the window: values above hi_t (or float32 infs), all counted
+        sure = self.nonzero - self._count_below(max(b_hi + 1, first))
+        i0 = int(np.searchsorted(self._ids, b_lo, side="left"))
+        i1 = int(np.searchsorted(self._ids, b_hi, side="right"))
+        maybe = 0
+        for i in range(i0, i1):
+            c = self._bin_counted(int(self._ids[i]), threshold, inclusive, s32)
+            if c == 1:
+                sure += int(self.counts[i])
+            elif c == -1:
+                maybe += int(self.counts[i])
+        return sure, sure + maybe
 
     def overflow_bounds(
         self, fmt: str | FloatFormat, scale: float, rounding: str = "rne"
     ) -> tuple[int, int]:
         """(lower, upper) bound of the overflow count under any positive ``scale``.
 
-        Equal (exact) when ``scale`` is a power of two; otherwise the bin that straddles
-        ``threshold / scale`` is the uncertainty.
+        Equal (exact) when ``scale`` is a power of two, and whenever no value lies in an open bin
+        whose scaled values straddle the threshold (see :meth:`_scaled_above`: the float32
+        rounding of the product, ties included, is taken into account).
         """
         fmt = get_format(fmt)
         j = _pow2_exponent(scale)
-        if j is not None:
+        if j is not None and abs(j) < 100:  # exact by bins (module docstring)
             n = self.overflow(fmt, j, rounding)
             return n, n
         thr = cast_thresholds(fmt, rounding)
-        if not scale > 0:
+        if not (scale > 0 and math.isfinite(float(np.float32(scale)))):
             return 0, 0
-        b, _ = self._value_bin(thr.overflow_at / float(np.float32(scale)))
-        return self.nonzero - self._count_below(b + 1), self.nonzero - self._count_below(b)
+        return self._scaled_above(thr.overflow_at, scale, thr.overflow_tie)
 
     def underflow_bounds(
         self, fmt: str | FloatFormat, scale: float, rounding: str = "rne"
     ) -> tuple[int, int]:
-        """(lower, upper) bound of the underflow count under any positive ``scale``."""
+        """(lower, upper) bound of the underflow count under any positive ``scale`` (as
+        :meth:`overflow_bounds`)."""
         fmt = get_format(fmt)
         j = _pow2_exponent(scale)
-        if j is not None:
+        if j is not None and abs(j) < 100:  # exact by bins (module docstring)
             n = self.underflow(fmt, j, rounding)
             return n, n
         thr = cast_thresholds(fmt, rounding)
-        if not scale > 0:
+        if not (scale > 0 and math.isfinite(float(np.float32(scale)))):
             return self.nonzero, self.nonzero
-        b, _ = self._value_bin(thr.underflow_at / float(np.float32(scale)))
-        return self._count_below(b), self._count_below(b + 1)
+        # a nonzero p underflows iff it is not above the threshold (the tie as the rule says)
+        lo, hi = self._scaled_above(thr.underflow_at, scale, not thr.underflow_tie)
+        return self.nonzero - hi, self.nonzero - lo
 
     def count_scaled_above(
         self, threshold: float, scale: float, *, inclusive: bool = False
     ) -> tuple[int, int]:
-        """(lower, upper) bound of the number of values with ``|x| * scale > threshold``
-        (``>=`` if ``inclusive``). Exact (equal bounds) when ``threshold / scale`` is a bin edge,
-        i.e. a power-of-two ``scale`` and a threshold with at most k mantissa bits; otherwise the
-        bin holding ``threshold / scale`` is the uncertainty (and the float32 rounding of the
-        product, within that bin)."""
+        """(lower, upper) bound of the number of values with ``float32(|x| * scale) >
+        threshold`` (``>=`` if ``inclusive``); exact (equal bounds) unless values lie in an open
+        bin that straddles ``threshold / scale`` (see :meth:`_scaled_above`)."""
         s = float(np.float32(scale))
         if not (s > 0 and threshold > 0):
             return (self.nonzero, self.nonzero) if threshold <= 0 < s else (0, 0)
-        t = float(threshold) / s
-        if t == math.inf:
-            return 0, 0
-        if t == 0.0:
-            return self.nonzero, self.nonzero
-        b, exact = self._value_bin(t)
-        if exact:  # b is the exact bin of t: values == t are exactly its count
-            n = self.nonzero - self._count_below(b if inclusive else b + 1)
-            return n, n
-        return self.nonzero - self._count_below(b + 1), self.nonzero - self._count_below(b)
+        return self._scaled_above(float(threshold), s, inclusive)
 
     def binades(self) -> tuple[np.ndarray, np.ndarray]:
         """(exponents e, counts) of values with ``floor(log2 float32(|x|)) == e``, e ascending.
