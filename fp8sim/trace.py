@@ -306,6 +306,8 @@ class TraceWriter:
         """
         self._check_open()
         step = int(step)
+        if step < 0:  # chunk file names carry steps as unsigned numbers
+            raise ValueError(f"step {step} of {name!r}: steps must be >= 0")
         tid = self._tensor_id(name)
         if self._last_flushed_step is not None and step <= self._last_flushed_step:
             raise ValueError(

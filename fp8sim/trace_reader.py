@@ -10,8 +10,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from fp8sim.abs_histogram import AbsHistogram
+from fp8sim.abs_histogram import AbsHistogram, _n_bins
 from fp8sim.trace import (
+    _CHUNK_RE,
     _COLUMN_DTYPES,
     _TENSOR_DIR,
     _TENSOR_RE,
@@ -23,6 +24,7 @@ from fp8sim.trace import (
     TraceRecord,
     _list_chunks,
 )
+from fp8sim.trace_checks import check_chunk_sequence, check_chunk_values
 
 __all__ = ["TraceReader"]
 
@@ -44,6 +46,7 @@ class TraceReader:
         # chunks first, then trace.json: the writer updates trace.json before a chunk, so every
         # chunk listed here is named by the catalogue read below
         self._chunks = _list_chunks(self.path)
+        check_chunk_sequence(self.path, self._chunks)
         meta_path = self.path / _TRACE_JSON
         try:
             meta = json.loads(meta_path.read_text())
@@ -61,6 +64,8 @@ class TraceReader:
             hist_bits = meta["hist"]["mantissa_bits"]
             if isinstance(hist_bits, bool) or not isinstance(hist_bits, int):
                 raise TypeError(f"hist.mantissa_bits {hist_bits!r} is not an int")
+            if not 0 <= hist_bits <= 10:  # what a writer takes (abs_histogram._check_k)
+                raise ValueError(f"hist.mantissa_bits {hist_bits} is outside 0..10")
             formats = [str(f) for f in meta.get("formats", [])]
             tensors = [
                 TensorInfo(str(t["name"]), str(t["role"]), str(t["format"]),
@@ -123,6 +128,9 @@ class TraceReader:
             or cols["hist_counts"].size != nb or (np.diff(off) < 0).any()
         ):  # fmt: skip
             raise ValueError(f"{path}: corrupt trace chunk: histogram offsets out of order or range")
+        m = _CHUNK_RE.match(path.name)
+        check_chunk_values(path, cols, int(m.group(2)), int(m.group(3)),
+                           _n_bins(self.hist_mantissa_bits))  # fmt: skip
         self._cache = (path, cols)
         return cols
 

@@ -46,7 +46,8 @@ def truncate_trace(path: str | os.PathLike, step: int) -> tuple[int, int | None]
         for f in (path / _CHUNK_DIR).iterdir():
             if _CHUNK_RE.match(f.name) and f not in listed:
                 f.unlink()
-    for seq, first, last, f in _list_chunks(path):
+    # from the last chunk down: an interruption leaves a prefix of the chunks, never a gap
+    for seq, first, last, f in reversed(_list_chunks(path)):
         if first > step:
             f.unlink()
         elif last > step:

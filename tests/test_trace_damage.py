@@ -1,0 +1,133 @@
+"""Damaged traces fail in one line naming the file (exit 2 in the CLI): lost, moved or copied
+chunk files, edited trace.json settings and edited chunk values are never replayed as numbers,
+and an interrupted truncation never leaves a gap."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cli
+from fp8sim.trace import TraceReader, TraceWriter
+
+
+def make(path: Path, steps: int = 6, chunk_steps: int = 2) -> Path:
+    rng = np.random.default_rng(0)
+    with TraceWriter(path, chunk_steps=chunk_steps) as tw:
+        tw.add_tensor("a", "activation", "e4m3", (64,))
+        for s in range(steps):
+            x = rng.standard_normal(64).astype(np.float32)
+            tw.record(s, "a", x, scale=float(448 / np.abs(x).max()))
+    return path
+
+
+def chunks(path: Path) -> list[Path]:
+    return sorted((path / "chunks").iterdir())
+
+
+def replay(capsys, path) -> tuple[int, str]:
+    rc = cli.main(["replay", str(path), "--policy", "current"])
+    _, err = capsys.readouterr()
+    return rc, err
+
+
+def test_the_intact_trace_replays(tmp_path, capsys):
+    t = make(tmp_path / "t")
+    assert [p.name[:12] for p in chunks(t)] == ["chunk-000000", "chunk-000001", "chunk-000002"]
+    assert replay(capsys, t)[0] == 0
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("lose the middle chunk", "chunk 000001 is missing"),
+    ("renumber the first chunk last", "chunk 000000 is missing"),
+    ("copy a chunk after the last", "not after step 5"),
+])  # fmt: skip
+def test_lost_moved_or_copied_chunks_are_refused(tmp_path, capsys, damage, says):
+    t = make(tmp_path / "t")
+    c = chunks(t)
+    if damage == "lose the middle chunk":
+        c[1].unlink()
+    elif damage == "renumber the first chunk last":
+        c[0].rename(c[0].with_name(c[0].name.replace("chunk-000000", "chunk-000009")))
+    else:
+        shutil.copy(c[1], c[1].with_name(c[1].name.replace("chunk-000001", "chunk-000003")))
+    with pytest.raises(ValueError, match=says):
+        TraceReader(t)
+    rc, err = replay(capsys, t)
+    assert rc == 2 and says in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("bits", [11, 64, -1])
+def test_edited_histogram_bits_are_refused(tmp_path, capsys, bits):
+    t = make(tmp_path / "t")
+    meta = json.loads((t / "trace.json").read_text())
+    meta["hist"]["mantissa_bits"] = bits
+    (t / "trace.json").write_text(json.dumps(meta))
+    rc, err = replay(capsys, t)
+    assert rc == 2 and "mantissa_bits" in err and "outside 0..10" in err
+
+
+@pytest.mark.parametrize("column, value, says", [
+    ("scale", np.nan, "scale that is not finite"),
+    ("scale", -1.0, "scale that is not finite"),
+    ("scale", 1e39, "scale that is not finite"),  # inf as a float32
+    ("numel", 0, "differs from numel"),
+    ("zero", 99999, "differs from numel"),
+    ("step", -5, "steps outside 0..1"),
+    ("step", 1, "recorded twice at one step"),  # the first row made a copy of the second
+    ("step", 2, "steps outside 0..1"),
+    ("hist_counts", -1000, "negative histogram counts"),
+    ("overflow", -7, "negative overflow"),
+    ("overflow", 65, "more overflow than finite values"),
+    ("amax", -5.0, "negative amax"),
+    ("hist_bins", 10**9, "bin ids outside"),
+    ("hist_bins", 0, "bins not ascending"),  # the first record's second bin below its first
+])  # fmt: skip
+def test_edited_chunk_values_are_refused(tmp_path, capsys, column, value, says):
+    t = make(tmp_path / "t")
+    first = chunks(t)[0]
+    with np.load(first) as z:
+        cols = {k: z[k].copy() for k in z.files}
+    row = 1 if column == "hist_bins" and value == 0 else 0
+    cols[column][row] = value
+    np.savez_compressed(first, **cols)
+    with pytest.raises(ValueError, match=f"{first.name}: corrupt trace chunk: .*{says}"):
+        list(TraceReader(t).records())
+    rc, err = replay(capsys, t)
+    assert rc == 2 and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_negative_steps_are_refused_when_recording(tmp_path):
+    tw = TraceWriter(tmp_path / "t")
+    tw.add_tensor("a", "activation", "e4m3", (4,))
+    with pytest.raises(ValueError, match="steps must be >= 0"):
+        tw.record(-1, "a", np.ones(4, np.float32), scale=1.0)
+
+
+def test_interrupted_truncation_leaves_a_readable_prefix(tmp_path, monkeypatch):
+    """The truncation removes chunks from the last one down: killed after the first removal,
+    the trace still reads (its early steps), and a second truncation finishes the job."""
+    t = make(tmp_path / "t", steps=8)  # chunks 0..3: steps 0-1, 2-3, 4-5, 6-7
+    real_unlink = Path.unlink
+    removed = []
+
+    def unlink_once(self, *a, **k):
+        if removed:
+            raise KeyboardInterrupt
+        removed.append(self.name)
+        return real_unlink(self, *a, **k)
+
+    monkeypatch.setattr(Path, "unlink", unlink_once)
+    tw = TraceWriter(t, mode="a")
+    with pytest.raises(KeyboardInterrupt):
+        tw.truncate_after(1)
+    monkeypatch.setattr(Path, "unlink", real_unlink)
+    assert len(removed) == 1 and removed[0].startswith("chunk-000003")  # the last one first
+    r = TraceReader(t)
+    assert sorted(set(r.steps().tolist())) == list(range(6))
+    TraceWriter(t, mode="a").truncate_after(1)
+    assert sorted(set(TraceReader(t).steps().tolist())) == [0, 1]
