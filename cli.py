@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader went away (``| head``): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 0
     except (ValueError, TypeError, ArithmeticError, OSError, NotImplementedError,
             UsageError) as exc:
         if os.environ.get("FP8SIM_DEBUG") == "1":
@@ -76,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fp8sim {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
     except Exception as exc:  # a bug, not bad input: its own exit code (1 means --fail-on)
         if os.environ.get("FP8SIM_DEBUG") == "1":
             raise

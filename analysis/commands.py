@@ -462,7 +462,10 @@ def run_replay(args: argparse.Namespace) -> int:
     reader = TraceReader(args.trace)
     plot_dir = _plot_dir(args.plot)
     n_records = int(reader.scalars()["step"].size)
-    n_pol = len(args.policy) + (0 if args.no_recorded else 1)
+    from fp8sim.policies import parse_policy
+
+    # one per policy, however often it is spelled (replay_policies replays it once)
+    n_pol = len({parse_policy(p).spec for p in args.policy}) + (0 if args.no_recorded else 1)
     bar = _progress(n_records * n_pol, bool(args.json is None and sys.stderr.isatty()), "rec")
     try:
         replays = replay_policies(reader, args.policy, include_recorded=not args.no_recorded,

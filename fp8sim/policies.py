@@ -21,7 +21,8 @@ them with their parameters):
   (TE's bulk update leaves history and scale alone on an amax of 0); the reduced amax is their
   maximum (``algo=max``; NaN entries are skipped as CUDA ``fmaxf`` does, an inf is kept) or this
   step's amax (``most_recent``). If it is finite and > 0 the new scale is
-  ``float32(fmax / amax) / 2**margin`` (inf -> float32 max), else the previous scale stays. The
+  ``float32(float32(fmax * 2**-margin) / amax)`` (TE's order; inf -> float32 max), else the
+  previous scale stays. The
   scale computed after step ``t`` is used at step ``t + 1``; the first step uses 1.
 * ``msamp`` -- MS-AMP's ``ScalingMeta``: power-of-two scales
   ``2**(floor(log2(fmax / amax)) - margin)``. Just in time (this step's amax) while warming up
@@ -55,6 +56,7 @@ from fp8sim.formats import FloatFormat, get_format
 from fp8sim.policy_params import (
     Param,
     _bare_word,
+    _check_count,
     _check_margin,
     _coerce_params,
     _split_items,
@@ -249,6 +251,10 @@ class CurrentScaling(ScalingPolicy):
         if g.kind == "mx":
             raise ValueError("current: gran=mx is the mx policy (spec 'mx' or 'mx:rceil')")
         self.params["gran"] = g.spec
+        _check_margin(self.NAME, self.params["margin"])
+        eps = self.params["epsilon"]
+        if not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"current: epsilon must be finite and >= 0, got {eps}")
 
     @property
     def granularity(self) -> str:
@@ -295,19 +301,14 @@ class DelayedScaling(ScalingPolicy):
     DESCRIPTION = "Transformer Engine DelayedScaling: scale from the amax history of previous steps"
     PARAMS = {
         "history": Param(1024, "amax_history_len: amaxes kept (rolled at each nonzero amax)"),
-        "algo": Param(
-            "max",
-            "amax_compute_algo: max of the history, or the most recent amax",
-            ("max", "most_recent"),
-        ),
-        "margin": Param(0.0, "scale = (fmax / amax) / 2**margin"),
+        "algo": Param("max", "amax_compute_algo: max of the history, or the most recent amax",
+                      ("max", "most_recent")),  # fmt: skip
+        "margin": Param(0.0, "scale = float32(fmax * 2**-margin) / amax (TE's order)"),
     }
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
-        if not 1 <= self.params["history"] <= _MAX_HISTORY:
-            raise ValueError(f"delayed: history must be >= 1 and <= {_MAX_HISTORY}, got "
-                             f"{self.params['history']:.6g}")  # fmt: skip
+        _check_count(self.NAME, "history", self.params["history"], _MAX_HISTORY)
         _check_margin(self.NAME, self.params["margin"])
 
     def _fresh_state(self) -> dict:
@@ -369,8 +370,7 @@ class MSAMPScaling(ScalingPolicy):
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
-        if self.params["window"] < 1:
-            raise ValueError(f"msamp: window must be >= 1, got {self.params['window']}")
+        _check_count(self.NAME, "window", self.params["window"], _MAX_HISTORY)
         if abs(self.params["margin"]) > 126:
             raise ValueError(f"msamp: |margin| must be <= 126, got {self.params['margin']}")
 

@@ -30,6 +30,11 @@ def _check_margin(policy: str, margin: float) -> None:
         raise ValueError(f"{policy}: margin must be finite with |margin| <= 126, got {margin}")
 
 
+def _check_count(policy: str, key: str, n: int, most: int) -> None:
+    if not 1 <= n <= most:
+        raise ValueError(f"{policy}: {key} must be >= 1 and <= {most}, got {n:.6g}")
+
+
 def format_param(v: Any) -> str:
     """A parameter value as specs spell it (``true``/``false``, ``16``, ``1e-05``)."""
     if isinstance(v, bool):

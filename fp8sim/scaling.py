@@ -254,8 +254,9 @@ def scale_from_amax(
 ) -> np.ndarray:
     """The multiplier that maps ``amax`` to ``fmt.max / 2**margin``, in float32, elementwise.
 
-    ``a = epsilon if amax < epsilon else amax``; ``s = float32(float32(fmt.max) / a)``;
-    ``s = float32(s / 2**margin)``; ``s = float32 max`` if ``s`` is inf (amax too tiny);
+    ``a = epsilon if amax < epsilon else amax``; ``s = float32(float32(fmt.max * 2**-margin) /
+    a)`` (Transformer Engine's order: the scaled max first; for a whole margin the same as
+    dividing the scale by ``2**margin`` afterwards); ``s = float32 max`` if ``s`` is inf;
     ``pow2``: ``s`` rounded down to a power of two (the mantissa bits dropped). amax 0, +inf or
     NaN (after the epsilon clamp) gives ``s = 1``. Negative amax is an error.
     Returns a float32 array of ``amax``'s shape (0-d for a scalar).

@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounding", "-r", default="rne", choices=ROUNDING_MODES)
     p.add_argument("--no-saturate", action="store_true",
                    help="OCP non-saturating overflow (inf, or NaN where no inf)")
-    p.add_argument("--seed", type=int, default=0, help="Philox seed for --rounding stochastic")
+    p.add_argument("--seed", type=int, default=None,
+                   help="Philox seed for --rounding stochastic (default 0)")
     p.add_argument("--srbits", type=int, default=None, help="random bits for stochastic (1..32)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=run)
@@ -70,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     x = np.array([_parse_value(v) for v in args.values], dtype=np.float64)
     kw = {}
     if args.rounding == "stochastic":
-        kw = dict(seed=args.seed, srbits=args.srbits)
+        kw = dict(seed=0 if args.seed is None else args.seed, srbits=args.srbits)
+    elif args.seed is not None or args.srbits is not None:
+        raise ValueError(f"--seed and --srbits are for --rounding stochastic, not {args.rounding}")
     codes = encode(x, fmt, rounding=args.rounding, saturate=not args.no_saturate, **kw)
     values = decode(codes, fmt, dtype=np.float64)
     records = [cast_record(float(v), int(c), float(d), fmt) for v, c, d in zip(x, codes, values)]

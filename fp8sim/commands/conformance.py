@@ -7,7 +7,12 @@ import sys
 
 from fp8sim.commands._output import info, print_json, print_table
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "LIBRARIES", "MAX_PATTERNS"]
+
+#: what --library takes (a Triton check runs natively on a GPU, else in the interpreter)
+LIBRARIES = ("torch", "ml_dtypes", "triton")
+#: the largest sweep: its patterns and every library's casts of them are held in memory
+MAX_PATTERNS = 1 << 26
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,8 +40,12 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
     from fp8sim.conformance import run_conformance
 
-    if args.patterns < 1:
-        raise ValueError(f"--patterns must be positive, got {args.patterns}")
+    if not 1 <= args.patterns <= MAX_PATTERNS:
+        raise ValueError(f"--patterns must be in 1..{MAX_PATTERNS} (2**26: the sweep is held in "
+                         f"memory), got {args.patterns}")  # fmt: skip
+    for lib in args.library or []:
+        if lib not in LIBRARIES:
+            raise ValueError(f"--library {lib!r}: valid: {', '.join(LIBRARIES)}")
     show = (lambda m: info(f"  checking {m}")) if (sys.stderr.isatty() and not args.json) else None
     results = run_conformance(args.patterns, args.library, args.examples, progress=show)
     if args.json:

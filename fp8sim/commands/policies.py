@@ -8,9 +8,9 @@ or fails with exit code 2 naming the valid keys. ``--json`` prints the same as J
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from fp8sim.commands._output import print_json
 from fp8sim.policies import POLICY_SPECS, format_param, parse_policy
 
 __all__ = ["register", "run"]
@@ -41,8 +41,7 @@ def run(args: argparse.Namespace) -> int:
             "granularity": policy.granularity,
         }
         if args.json:
-            json.dump(info, sys.stdout, indent=2)
-            sys.stdout.write("\n")
+            print_json(info)
         else:
             print(info["spec"])
             print(
@@ -51,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
             )
         return 0
     if args.json:
-        json.dump(POLICY_SPECS, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print_json(POLICY_SPECS)
         return 0
     for name, spec in POLICY_SPECS.items():
         print(f"{name}: {spec['description']}")
