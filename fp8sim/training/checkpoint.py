@@ -93,9 +93,40 @@ def save_checkpoint(
             raise ValueError(f"save_checkpoint: extra key {key!r} collides with a checkpoint field")
         payload[key] = to_storable(value)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    save_atomically(payload, tmp, path)
+    for stale in path.parent.glob(path.name + ".tmp*"):  # left by runs killed while saving
+        stale.unlink(missing_ok=True)
     return path
+
+
+def save_atomically(payload: dict, tmp: Path, path: Path) -> None:
+    """``torch.save`` into ``tmp``, then rename it to ``path``; ``tmp`` is removed if the save
+    fails or is interrupted (Ctrl-C), so ``path`` is always a whole checkpoint or the old one."""
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def load_payload(path: Path, version: int, keys: tuple[str, ...]) -> dict:
+    """The dict ``torch.load(path, weights_only=True)`` gives, checked: ValueError ``"<path>:
+    corrupt or not an fp8sim checkpoint (...)"`` for an unreadable file, another object, another
+    format version or missing ``keys``."""
+    try:
+        body = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, EOF, a refused pickle, ...
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{path}: corrupt or not an fp8sim checkpoint ({first})") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"{path}: corrupt or not an fp8sim checkpoint (a {type(body).__name__})")
+    if body.get("version") != version:
+        raise ValueError(f"{path}: checkpoint version {body.get('version')!r}, expected {version}")
+    missing = [k for k in keys if k not in body]
+    if missing:
+        raise ValueError(f"{path}: corrupt or not an fp8sim checkpoint (no {', '.join(missing)})")
+    return body
 
 
 def load_checkpoint(run_dir: str | os.PathLike) -> dict:
@@ -103,7 +134,5 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict:
     path = Path(run_dir) / CHECKPOINT_NAME
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if payload.get("version") != _FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint version {payload.get('version')!r}, expected {_FORMAT_VERSION}")
+    payload = load_payload(path, _FORMAT_VERSION, ("step", "model", "optimizer", "policies", "rng", "config"))
     return {k: from_storable(v) for k, v in payload.items()}

@@ -16,7 +16,7 @@ overflow/underflow events; ``--plot`` writes ``loss_curves.png``.
 from __future__ import annotations
 
 import argparse
-import json
+from fp8sim.commands._output import print_json
 import sys
 from pathlib import Path
 
@@ -111,6 +111,9 @@ def run_train(args: argparse.Namespace) -> int:
     from fp8sim.training.trainer import Trainer
 
     cfg = config_from_args(args)
+    for opt in ("out", "record"):
+        if getattr(args, opt) is not None and not str(getattr(args, opt)).strip():
+            raise ValueError(f"--{opt}: an empty path (give a directory, or leave the option out)")
     out = Path(args.out or f"runs/{cfg.recipe}-{cfg.backend}-s{cfg.seed}")
     r = get_recipe(cfg.recipe)
     if args.nproc != 1 or torchrun_env() or args.grad_scaling or args.fp8_grads or (
@@ -138,7 +141,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _print_summary(args: argparse.Namespace, summary: dict, out: Path) -> None:
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print_json(summary)
     else:
         mem = summary["memory_bytes_per_param"]
         print(f"run            {out}")
@@ -165,5 +168,8 @@ def run_compare(args: argparse.Namespace) -> int:
         png = plot_loss_curves([args.run_a, args.run_b], Path(args.plot) / "loss_curves.png")
         result["plot"] = str(png)
         print(f"fp8sim compare: wrote {png}", file=sys.stderr)
-    print(json.dumps(result, indent=2) if args.json else format_comparison(result))
+    if args.json:
+        print_json(result)
+    else:
+        print(format_comparison(result))
     return 0

@@ -22,15 +22,29 @@ def load_run(run_dir: str | os.PathLike) -> dict:
     rows = read_metrics(run_dir)
     if not rows:
         raise ValueError(f"{run_dir}: metrics.jsonl is empty")
-    summary_path = run_dir / "run.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary = _read_json(run_dir / "run.json")
     cfg = summary.get("config") or _read_json(run_dir / "config.json")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{run_dir}: corrupt run: its config is not a JSON object")
+    for key, kinds in (("memory_bytes_per_param", dict), ("comm_bytes_per_step", dict),
+                       ("median_step_time_s", (int, float))):  # fmt: skip
+        if summary.get(key) is not None and not isinstance(summary[key], kinds):
+            raise ValueError(f"{run_dir / 'run.json'}: corrupt: {key} is a {type(summary[key]).__name__}")
     name = f"{cfg.get('recipe', '?')}/{cfg.get('backend', '?')}" if cfg else run_dir.name
     return {"dir": str(run_dir), "name": name, "metrics": rows, "summary": summary}
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON object file ({} when absent); ValueError naming it when it is no JSON object."""
+    if not path.is_file():
+        return {}
+    try:
+        obj = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: corrupt JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: corrupt: not a JSON object")
+    return obj
 
 
 def _smoothed_final(rows: list[dict], window: int) -> float:
@@ -74,7 +88,8 @@ def compare_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, window: 
     la = {r["step"]: r["loss"] for r in a["metrics"]}
     common = [(la[r["step"]], r["loss"]) for r in b["metrics"] if r["step"] in la]
     out["common_steps"] = len(common)
-    out["max_abs_rel_loss_diff"] = max((abs(y - x) / abs(x) for x, y in common), default=None)
+    # steps with a zero reference loss have no relative difference
+    out["max_abs_rel_loss_diff"] = max((abs(y - x) / abs(x) for x, y in common if x), default=None)
     out["memory_bytes_per_param"] = {
         "a": a["summary"].get("memory_bytes_per_param"),
         "b": b["summary"].get("memory_bytes_per_param"),

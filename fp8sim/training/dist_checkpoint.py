@@ -28,9 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from fp8sim.training.checkpoint import from_storable, to_storable
+from fp8sim.training.checkpoint import from_storable, load_payload, save_atomically, to_storable
 
 __all__ = ["CHECKPOINT_DIR", "save_rank_checkpoint", "latest_checkpoint", "load_rank_checkpoint"]
 
@@ -59,8 +57,7 @@ def save_rank_checkpoint(
     path = d / f"rank{rank}.pt"
     tmp = path.with_name(path.name + ".tmp")
     body = {"version": _VERSION, "step": int(step), "rank": int(rank), "world": int(world), **payload}
-    torch.save(to_storable(body), tmp)
-    os.replace(tmp, path)
+    save_atomically(to_storable(body), tmp, path)
     if barrier is not None:
         barrier()  # every rank's file of this step is complete
     if rank == 0:
@@ -98,7 +95,6 @@ def load_rank_checkpoint(run_dir: str | os.PathLike, rank: int, *, step: int | N
     path = _step_dir(run, step) / f"rank{rank}.pt"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (the checkpoint was written by fewer ranks?)")
-    body = torch.load(path, map_location="cpu", weights_only=True)
-    if body.get("version") != _VERSION:
-        raise ValueError(f"{path}: checkpoint version {body.get('version')!r}, expected {_VERSION}")
+    body = load_payload(path, _VERSION, ("step", "rank", "world", "config", "options", "rng", "policies",
+                                          "reducer", "optimizer", "model", "recorder"))
     return from_storable(body)

@@ -11,6 +11,7 @@ The FP8 gradient all-reduce itself (a DDP communication hook) and its byte accou
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -166,17 +167,27 @@ def train_distributed(
         raise ValueError(f"--grad-scaling/--fp8-grads apply to the FP8 all-reduce of the fp8lm recipes, "
                          f"not to {cfg.recipe!r}")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a directory")
+    restart = False
     if resume:
+        from fp8sim.training.checkpoint import CHECKPOINT_NAME
         from fp8sim.training.dist_checkpoint import latest_checkpoint
 
         info = latest_checkpoint(out)
-        if info is None:
-            raise ValueError(f"--resume: {out} holds no data-parallel checkpoint")
-        if info["world"] != world:
+        if info is None and (out / CHECKPOINT_NAME).is_file():
+            raise ValueError(f"--resume: {out} holds a single-process checkpoint; resume it without --nproc "
+                             "(and with a single-process recipe)")  # fmt: skip
+        if info is None and not (out / "metrics.jsonl").is_file():
+            raise ValueError(f"--resume: {out} holds no run to resume (no data-parallel checkpoint, no metrics.jsonl)")
+        if info is None:  # killed before its first checkpoint: nothing to resume, start again
+            print(f"fp8sim train: {out}: no checkpoint yet; starting again from step 0", file=sys.stderr)
+            resume, restart = False, True
+        elif info["world"] != world:
             raise ValueError(f"--resume: {out} was checkpointed by {info['world']} ranks, not {world}")
     elif (out / "metrics.jsonl").exists():
-        raise ValueError(f"{out} already holds a run; resume it or choose another output directory")
-    opts = {"grad_scaling": grad_scaling, "fp8_grads": fp8_grads, "record": None if record is None else str(record),
+        raise ValueError(f"{out} already holds a run; resume it (--resume) or choose another output directory")
+    opts = {"restart": restart, "grad_scaling": grad_scaling, "fp8_grads": fp8_grads, "record": None if record is None else str(record),
             "save_every": int(save_every), "progress": progress, "resume": bool(resume), "stop_after": stop_after}
     if env:
         _run_rank(env[0], world, cfg.to_dict(), str(out), None, opts)
@@ -187,12 +198,59 @@ def train_distributed(
 
         import torch.multiprocessing as mp
 
-        with tempfile.TemporaryDirectory(prefix="fp8sim-pg-") as d:
-            mp.spawn(_run_rank, args=(world, cfg.to_dict(), str(out), os.path.join(d, "store"), opts),
-                     nprocs=world, join=True)
+        import logging
+
+        spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process ..."
+        level = spawn_log.level
+        spawn_log.setLevel(logging.ERROR)
+        try:
+            with tempfile.TemporaryDirectory(prefix="fp8sim-pg-") as d:
+                mp.spawn(_spawned_rank, args=(os.getpid(), world, cfg.to_dict(), str(out), os.path.join(d, "store"),
+                                              opts), nprocs=world, join=True)  # fmt: skip
+        except mp.ProcessRaisedException as exc:
+            if os.environ.get("FP8SIM_DEBUG") == "1":
+                raise  # the rank's traceback
+            raise _rank_error(exc) from None
+        finally:
+            spawn_log.setLevel(level)
     import json
 
     return json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
+
+
+#: exceptions of a rank that mean bad input (the CLI's exit 2), as named in its traceback
+_INPUT_ERRORS = ("ValueError", "TypeError", "FileNotFoundError", "FileExistsError", "NotADirectoryError",
+                 "IsADirectoryError",
+                 "PermissionError", "OSError", "ArithmeticError", "NotImplementedError", "UsageError")
+
+
+def _rank_error(exc: Exception) -> Exception:
+    """The exception a spawned rank raised, from the traceback text torch hands back: a ValueError
+    with the rank's own message for bad input, else a RuntimeError naming it (a bug)."""
+    text = str(exc).strip().splitlines()
+    rank = next((ln.split()[2] for ln in text if ln.startswith("-- Process ")), "?")
+    last = text[-1] if text else type(exc).__name__
+    name, _, msg = last.partition(": ")
+    if name.rsplit(".", 1)[-1] in _INPUT_ERRORS:
+        return ValueError(msg or name)
+    return RuntimeError(f"rank {rank}: {last}")
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make this spawned rank end when the launcher does (killed, it cannot stop its ranks): Linux's
+    parent-death signal, and an exit if the launcher is already gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _spawned_rank(rank: int, parent_pid: int, *args: Any) -> None:
+    _die_with_parent(parent_pid)
+    _run_rank(rank, *args)
 
 
 def _run_rank(rank: int, world: int, cfg_dict: dict, out: str, init_file: str | None, opts: dict) -> None:
@@ -281,11 +339,12 @@ class _RankRun:
             from fp8sim.training.recorder import record
 
             self.recorder = record(self.model, Path(opts["record"]) / f"rank{rank}", save_every=opts["save_every"],
-                                   chunk_steps=max(1, cfg.checkpoint_every), append=ck is not None,
+                                   chunk_steps=max(1, cfg.checkpoint_every),
+                                   append=ck is not None or bool(opts.get("restart")),
                                    config={"run": cfg.to_dict(), "rank": rank, "world": world, "run_dir": out})
-            if ck is not None:
+            if ck is not None or opts.get("restart"):
                 self.recorder.truncate_after(self.start_step)  # the steps after it are recorded again
-                if ck.get("recorder"):
+                if ck is not None and ck.get("recorder"):
                     self.recorder.load_state_dict(ck["recorder"])
         if rank == 0 and ck is None:
             import json
@@ -454,7 +513,6 @@ class _RankRun:
         import sys
         import time
 
-        import torch.distributed as dist
         from tqdm import tqdm
 
         cfg = self.cfg
@@ -473,6 +531,8 @@ class _RankRun:
                         row["val_loss"] = self.evaluate()
                     with open(self.out / "metrics.jsonl", "a") as f:
                         f.write(json.dumps(row) + "\n")
+                if step == cfg.steps:  # run.json before the final checkpoint: see Trainer.run
+                    self._summarize(t_start)
                 if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                     self.save(step)
                 bar.update(1)
@@ -484,8 +544,15 @@ class _RankRun:
                     self.recorder.close()
                 else:
                     self.recorder.flush()
-        if last < cfg.steps:
-            return  # stopped early (as if killed): no summary
+        if self.start_step >= cfg.steps and not (self.out / "run.json").is_file():
+            self._summarize(t_start)  # a finished run of an older version, without its run.json
+
+    def _summarize(self, t_start: float) -> None:
+        """Write run.json (collective: the ranks' memory figures are gathered)."""
+        import time
+
+        import torch.distributed as dist
+
         mems = [self.memory()]
         if self.world > 1:
             mems = [None] * self.world

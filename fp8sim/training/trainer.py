@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from fp8sim.training.checkpoint import load_checkpoint, restore_rng, save_checkpoint
+from fp8sim.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, restore_rng, save_checkpoint
 from fp8sim.training.data import ByteCorpus, get_batch, load_corpus
 from fp8sim.training.fp8_linear import convert_to_fp8, get_fp8_state
 from fp8sim.training.model import GPT, GPTConfig
@@ -70,9 +70,19 @@ class TrainConfig:
 
         if self.gemm_accumulate not in GEMM_ACCUMULATIONS:
             raise ValueError(f"gemm_accumulate must be one of {GEMM_ACCUMULATIONS}, got {self.gemm_accumulate!r}")
-        for name in ("steps", "batch_size", "eval_batches"):
+        for name in ("steps", "batch_size", "eval_batches", "max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "eval_every", "checkpoint_every"):  # 0: none / only at the end
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"TrainConfig.lr must be finite and > 0, got {self.lr}")
+        for name in ("min_lr_ratio", "weight_decay", "grad_clip"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"TrainConfig.{name} must be finite and >= 0, got {getattr(self, name)}")
+        if self.data is not None and not str(self.data).strip():
+            raise ValueError("TrainConfig.data: an empty path (give a file or directory, or leave it out)")
         if isinstance(self.model, dict):
             object.__setattr__(self, "model", GPTConfig(**self.model))
 
@@ -121,12 +131,30 @@ def memory_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """The rows of ``run_dir/metrics.jsonl`` (FileNotFoundError when absent)."""
+    """The rows of ``run_dir/metrics.jsonl`` (FileNotFoundError when absent). A last line cut
+    short (no newline: the run was killed while writing it) is left out; any other row that is
+    not a JSON object with an int ``step`` and a numeric ``loss`` raises ValueError naming the
+    file and line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a run directory?)")
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.readlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            if i == len(lines) and not line.endswith("\n"):
+                break  # the row a killed run was writing
+            raise ValueError(f"{path}:{i}: corrupt metrics row ({exc})") from None
+        if not (isinstance(row, dict) and type(row.get("step")) is int
+                and isinstance(row.get("loss"), (int, float)) and not isinstance(row["loss"], bool)):
+            raise ValueError(f"{path}:{i}: corrupt metrics row (needs an int step and a numeric loss)")
+        rows.append(row)
+    return rows
 
 
 @torch.no_grad()
@@ -191,16 +219,33 @@ class Trainer:
         )
         self.start_step = 0
         ck = None
-        if resume:
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"--out {self.out}: exists and is not a directory")
+        # --resume of a run killed before its first checkpoint: nothing to resume, start again
+        restart = resume and not (self.out / CHECKPOINT_NAME).is_file()
+        if restart and not (self.out / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"--resume: {self.out} holds no run to resume (no metrics.jsonl)")
+        if restart:
+            from fp8sim.training.dist_checkpoint import latest_checkpoint
+
+            info = latest_checkpoint(self.out)
+            if info is not None:
+                raise ValueError(f"--resume: {self.out} was checkpointed by {info['world']} data-parallel "
+                                 f"rank(s); resume it with --nproc {info['world']}")  # fmt: skip
+            print(f"fp8sim train: {self.out}: no checkpoint yet; starting again from step 0", file=sys.stderr)
+        elif resume:
             ck = self._resume()
         elif (self.out / "metrics.jsonl").exists():
-            raise ValueError(f"{self.out} already holds a run; resume it or choose another output directory")
+            raise ValueError(f"{self.out} already holds a run; resume it (--resume) or choose another output "
+                             "directory")  # fmt: skip
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if restart:
+            self._write_metrics([], mode="w")
         self.recorder = recorder_factory(self.model) if recorder_factory else None
-        if ck is not None and self.recorder is not None:
+        if (ck is not None or restart) and self.recorder is not None:
             self.recorder.truncate_after(self.start_step)  # the steps after it are recorded again
-            if ck.get("recorder"):
+            if ck is not None and ck.get("recorder"):
                 self.recorder.load_state_dict(ck["recorder"])
 
     # -- state ------------------------------------------------------------------------------
@@ -308,6 +353,11 @@ class Trainer:
                 if final or (cfg.eval_every and step % cfg.eval_every == 0):
                     row["val_loss"] = self.evaluate()
                 self._write_metrics([row])
+                if final:  # run.json before the final checkpoint: a run killed in between
+                    # resumes before the final step and writes it again; one resumed after it
+                    # has run no step and keeps it (its gradients, part of the memory, are gone)
+                    summary = self.summary(wall_s=time.perf_counter() - t_start)
+                    _write_json(self.out / "run.json", summary)
                 if final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                     self.save(step)
                 bar.update(1)
@@ -316,9 +366,14 @@ class Trainer:
             bar.close()
             if self.recorder is not None and last == cfg.steps:
                 self.recorder.close()
-        summary = self.summary(wall_s=time.perf_counter() - t_start)
-        if last == cfg.steps:
-            (self.out / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if last < cfg.steps:
+            return self.summary(wall_s=time.perf_counter() - t_start)
+        if self.start_step < cfg.steps:  # the final step ran here: run.json is written
+            return summary
+        if (self.out / "run.json").is_file():
+            return json.loads((self.out / "run.json").read_text())
+        summary = self.summary(wall_s=time.perf_counter() - t_start)  # an older run without one
+        _write_json(self.out / "run.json", summary)
         return summary
 
     def summary(self, wall_s: float | None = None) -> dict:
@@ -338,6 +393,13 @@ class Trainer:
             "wall_s": wall_s,
             "corpus": {"source": self.corpus.source, "bytes": self.corpus.num_bytes, "files": self.corpus.num_files},
         }
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    """``obj`` into ``path`` atomically (a temporary file, then a rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _median(xs: list[float]) -> float | None:

@@ -1,0 +1,204 @@
+"""``fp8sim train`` / ``compare`` on the edges an adversarial review found: bad input under
+``--nproc 2`` (the rank's own message, exit 2), runs killed before their first checkpoint
+(``--resume`` starts again), corrupt checkpoints and metrics (one line naming the file, exit 2),
+strict JSON, option ranges, a resume at the final step (run.json kept), interrupted saves (no
+temporary files left), a killed launcher (its ranks stop too)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import cli
+from fp8sim.training.checkpoint import CHECKPOINT_NAME
+from fp8sim.training.dist_checkpoint import CHECKPOINT_DIR
+from fp8sim.training.trainer import read_metrics
+
+SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "1", "--block-size", "16", "--batch-size", "4",
+         "--warmup", "1", "--eval-every", "0"]
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    p = tmp_path / "corpus.txt"
+    p.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(600)))
+    return p
+
+
+def train(capsys, corpus, *argv):
+    rc = cli.main(["train", "--data", str(corpus), *SMALL, *[str(a) for a in argv]])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_bad_input_under_two_ranks_is_the_ranks_message(tmp_path, capsys, corpus):
+    rc, _, err = train(capsys, corpus, "--steps", "2", "--nproc", "2", "--block-size", "100000",
+                       "--out", tmp_path / "r")  # fmt: skip
+    assert rc == 2 and "fp8sim train: error: train split has" in err and "Traceback" not in err
+    assert "internal error" not in err and "SIGTERM" not in err
+    rc, _, err = train(capsys, corpus, "--steps", "2", "--nproc", "2", "--out", corpus)
+    assert rc == 2 and "exists and is not a directory" in err
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resume_before_the_first_checkpoint_starts_again(tmp_path, capsys, corpus, nproc):
+    out = tmp_path / "r"
+    args = ["--steps", "3", "--checkpoint-every", "100", "--nproc", nproc, "--out", out]
+    rc, _, _ = train(capsys, corpus, *args, "--recipe", "bf16")
+    assert rc == 0
+    # as if killed after 3 steps, before any checkpoint: no checkpoint, metrics left behind
+    for ck in (out / CHECKPOINT_NAME, out / CHECKPOINT_DIR):
+        if ck.is_file():
+            ck.unlink()
+        elif ck.is_dir():
+            shutil.rmtree(ck)
+    (out / "run.json").unlink()
+    rc, _, err = train(capsys, corpus, *args, "--recipe", "bf16")
+    assert rc == 2 and "already holds a run; resume it (--resume)" in err
+    rc, _, err = train(capsys, corpus, *args, "--recipe", "bf16", "--resume")
+    assert rc == 0 and "no checkpoint yet; starting again from step 0" in err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def test_resume_with_the_wrong_rank_count_says_so(tmp_path, capsys, corpus):
+    out = tmp_path / "r"
+    assert train(capsys, corpus, "--steps", "2", "--nproc", "2", "--out", out)[0] == 0
+    rc, _, err = train(capsys, corpus, "--steps", "2", "--out", out, "--resume")
+    assert rc == 2 and "checkpointed by 2 data-parallel rank(s); resume it with --nproc 2" in err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]  # nothing wiped
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "text", "a list", "no model"])
+def test_corrupt_checkpoint_is_named(tmp_path, capsys, corpus, damage):
+    out = tmp_path / "r"
+    assert train(capsys, corpus, "--steps", "2", "--out", out)[0] == 0
+    ck = out / "checkpoint.pt"
+    if damage == "truncated":
+        ck.write_bytes(ck.read_bytes()[:500])
+    elif damage == "empty":
+        ck.write_bytes(b"")
+    elif damage == "text":
+        ck.write_text("hello")
+    elif damage == "a list":
+        torch.save([1, 2], ck)
+    else:
+        body = torch.load(ck, weights_only=True)
+        del body["model"]
+        torch.save(body, ck)
+    rc, _, err = train(capsys, corpus, "--steps", "4", "--out", out, "--resume")
+    assert rc == 2 and f"{ck}: corrupt or not an fp8sim checkpoint" in err
+
+
+def test_metrics_rows_and_run_json_are_checked(tmp_path, capsys, corpus):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        assert train(capsys, corpus, "--steps", "2", "--out", d)[0] == 0
+    m = b / "metrics.jsonl"
+    good = m.read_text()
+    m.write_text(good + '{"step": 3, "lo')  # a row cut short by a kill: left out
+    assert [r["step"] for r in read_metrics(b)] == [1, 2]
+    for bad, says in (('{"step": 1}\n', "needs an int step and a numeric loss"), ("[1, 2]\n", "corrupt metrics row"),
+                      ("not json\n", "corrupt metrics row")):  # fmt: skip
+        m.write_text(bad + good)
+        rc = cli.main(["compare", str(a), str(b)])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{m}:1: " in err and says in err
+    m.write_text(good)
+    for text in ("[]", '{"memory_bytes_per_param": 5}', "{"):
+        (b / "run.json").write_text(text)
+        rc = cli.main(["compare", str(a), str(b)])
+        assert rc == 2 and "run.json" in capsys.readouterr().err
+
+
+def test_zero_reference_loss_and_strict_json(tmp_path, capsys, corpus):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        assert train(capsys, corpus, "--steps", "2", "--out", d)[0] == 0
+    rows = read_metrics(a)
+    rows[0]["loss"] = 0.0
+    rows[1]["loss"] = float("nan")
+    (a / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(["compare", str(a), str(b), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "NaN" not in out and json.loads(out)["final_loss"]["a"] == "nan"
+
+
+@pytest.mark.parametrize("opt, value, says", [
+    ("--eval-every", "-1", "eval_every must be >= 0"),
+    ("--checkpoint-every", "-3", "checkpoint_every must be >= 0"),
+    ("--warmup", "-3", "warmup must be >= 0"),
+    ("--lr", "inf", "lr must be finite and > 0"),
+    ("--data", "", "an empty path"),
+    ("--out", "", "--out: an empty path"),
+    ("--record", "", "--record: an empty path"),
+])  # fmt: skip
+def test_option_ranges(tmp_path, capsys, corpus, opt, value, says):
+    rc, _, err = train(capsys, corpus, "--steps", "2", "--out", tmp_path / "r", opt, value)
+    assert rc == 2 and says in err
+
+
+def test_resume_after_the_final_step_keeps_run_json(tmp_path, capsys, corpus):
+    out = tmp_path / "r"
+    assert train(capsys, corpus, "--steps", "2", "--out", out)[0] == 0
+    before = json.loads((out / "run.json").read_text())
+    assert before["memory_bytes_per_param"]["grads"] == 4.0
+    rc, stdout, _ = train(capsys, corpus, "--steps", "2", "--out", out, "--resume", "--json")
+    assert rc == 0 and json.loads((out / "run.json").read_text()) == before
+    assert json.loads(stdout)["memory_bytes_per_param"]["grads"] == 4.0
+
+
+def test_an_interrupted_save_leaves_no_temporary_file(tmp_path, monkeypatch):
+    from fp8sim.training import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    (tmp_path / "checkpoint.pt.tmp99999").write_bytes(b"x" * 10)  # left by a killed run
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(tmp_path, step=1, model=model, optimizer=opt, policies=None, config={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt.tmp99999"]
+    monkeypatch.undo()
+    checkpoint.save_checkpoint(tmp_path, step=1, model=model, optimizer=opt, policies=None, config={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_ranks_stop_when_the_launcher_is_killed(tmp_path, corpus):
+    out = tmp_path / "r"
+    cmd = [sys.executable, "-m", "cli", "train", "--data", str(corpus), *SMALL, "--steps", "100000",
+           "--checkpoint-every", "100000", "--nproc", "2", "--out", str(out), "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    t0 = time.time()
+    while not (metrics.is_file() and metrics.stat().st_size > 0) and time.time() - t0 < 120:
+        time.sleep(0.5)
+    assert metrics.stat().st_size > 0, "the run did not start"
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher only, not its process group
+    proc.wait()
+    time.sleep(3)
+    size = metrics.stat().st_size
+    time.sleep(3)
+    alive = _group_alive(proc.pid)
+    if alive:
+        os.killpg(proc.pid, signal.SIGKILL)  # clean up before failing
+    assert metrics.stat().st_size == size and not alive  # no rank runs any more
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except OSError:
+        return False
