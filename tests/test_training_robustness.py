@@ -202,3 +202,13 @@ def _group_alive(pgid: int) -> bool:
         return True
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resume_refuses_a_corpus_that_changed(tmp_path, capsys, corpus, nproc):
+    out = tmp_path / "r"
+    args = ["--steps", "4", "--checkpoint-every", "2", "--nproc", nproc, "--out", out]
+    assert train(capsys, corpus, *args)[0] == 0
+    corpus.write_text(corpus.read_text().replace("lazy", "busy"))  # same size, other bytes
+    rc, _, err = train(capsys, corpus, *args, "--resume")
+    assert rc == 2 and "the corpus changed since the checkpoint" in err

@@ -41,6 +41,15 @@ class ByteCorpus:
     def num_bytes(self) -> int:
         return int(self.train.numel() + self.val.numel())
 
+    @property
+    def fingerprint(self) -> str:
+        """``"<bytes>:<crc32>"`` of the train and validation bytes: checkpoints keep it, so a
+        resume on a corpus that changed meanwhile is refused instead of training on other data."""
+        import zlib
+
+        crc = zlib.crc32(self.val.numpy().tobytes(), zlib.crc32(self.train.numpy().tobytes()))
+        return f"{self.num_bytes}:{crc:08x}"
+
 
 def default_corpus_files() -> list[Path]:
     """The standard library's ``.py`` files, sorted by path relative to the stdlib root."""

@@ -370,6 +370,7 @@ class _RankRun:
             "optimizer": self.optimizer.state_dict() if (sharded or self.rank == 0) else None,
             "model": self.model.state_dict() if self.rank == 0 else None,
             "recorder": self.recorder.state_dict() if self.recorder is not None else None,
+            "corpus": self.corpus.fingerprint,
         }
 
     def save(self, step: int) -> None:
@@ -388,7 +389,7 @@ class _RankRun:
         """Restore the last complete checkpoint; returns this rank's payload."""
         from fp8sim.training.checkpoint import restore_rng
         from fp8sim.training.dist_checkpoint import load_rank_checkpoint, latest_checkpoint
-        from fp8sim.training.trainer import read_metrics
+        from fp8sim.training.trainer import _check_corpus, read_metrics
 
         info = latest_checkpoint(self.out)
         if info is None:
@@ -400,6 +401,7 @@ class _RankRun:
         if ck["config"] != self.cfg.to_dict():
             diff = sorted(k for k, v in self.cfg.to_dict().items() if ck["config"].get(k) != v)
             raise ValueError(f"--resume: {self.out} was written by a different config (differs in {diff})")
+        _check_corpus(self.out, ck, self.corpus)
         if ck["options"] != self._run_options():
             raise ValueError(f"--resume: {self.out} was trained with {ck['options']}, not {self._run_options()}")
         with torch.no_grad():

@@ -254,6 +254,7 @@ class Trainer:
         if ck["config"] != self.cfg.to_dict():
             diff = sorted(k for k, v in self.cfg.to_dict().items() if ck["config"].get(k) != v)
             raise ValueError(f"{self.out}: checkpoint was written by a different config (differs in {diff})")
+        _check_corpus(self.out, ck, self.corpus)
         self.model.load_state_dict(ck["model"])
         self.optimizer.load_state_dict(ck["optimizer"])
         if self.fp8 is not None:
@@ -281,7 +282,8 @@ class Trainer:
             optimizer=self.optimizer,
             policies=self.fp8.state_dict() if self.fp8 is not None else None,
             config=self.cfg.to_dict(),
-            extra={"recorder": self.recorder.state_dict()} if self.recorder is not None else None,
+            extra={"corpus": self.corpus.fingerprint,
+                   **({"recorder": self.recorder.state_dict()} if self.recorder is not None else {})},
         )
 
     # -- steps ------------------------------------------------------------------------------
@@ -393,6 +395,13 @@ class Trainer:
             "wall_s": wall_s,
             "corpus": {"source": self.corpus.source, "bytes": self.corpus.num_bytes, "files": self.corpus.num_files},
         }
+
+
+def _check_corpus(out: Path, ck: dict, corpus) -> None:
+    """ValueError if the checkpoint names another corpus than ``corpus`` (older ones name none)."""
+    if ck.get("corpus") is not None and ck["corpus"] != corpus.fingerprint:
+        raise ValueError(f"--resume: {out}: the corpus changed since the checkpoint (bytes:crc32 "
+                         f"{ck['corpus']}, now {corpus.fingerprint}); resuming would train on other data")
 
 
 def _write_json(path: Path, obj: dict) -> None:
