@@ -212,3 +212,13 @@ def test_resume_refuses_a_corpus_that_changed(tmp_path, capsys, corpus, nproc):
     corpus.write_text(corpus.read_text().replace("lazy", "busy"))  # same size, other bytes
     rc, _, err = train(capsys, corpus, *args, "--resume")
     assert rc == 2 and "the corpus changed since the checkpoint" in err
+
+
+@pytest.mark.parametrize("rank, world, says", [("0", "0", "need 0 <= RANK < WORLD_SIZE"),
+                                               ("3", "2", "need 0 <= RANK < WORLD_SIZE"),
+                                               ("x", "2", "must be integers")])  # fmt: skip
+def test_torchrun_variables_are_checked(tmp_path, capsys, corpus, monkeypatch, rank, world, says):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    rc, _, err = train(capsys, corpus, "--steps", "2", "--out", tmp_path / "r")
+    assert rc == 2 and says in err

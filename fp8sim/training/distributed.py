@@ -41,7 +41,14 @@ __all__ = [
 def torchrun_env() -> tuple[int, int] | None:
     """``(rank, world_size)`` when started by torchrun (RANK and WORLD_SIZE set), else None."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            raise ValueError(f"RANK={os.environ['RANK']!r} and WORLD_SIZE={os.environ['WORLD_SIZE']!r} "
+                             "must be integers (torchrun sets them)") from None
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK={rank} and WORLD_SIZE={world}: need 0 <= RANK < WORLD_SIZE")
+        return rank, world
     return None
 
 
