@@ -205,6 +205,8 @@ def train_distributed(
 
         import torch.multiprocessing as mp
 
+        from fp8sim.training.spawn import rank_error, spawned_rank
+
         import logging
 
         spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process ..."
@@ -212,52 +214,17 @@ def train_distributed(
         spawn_log.setLevel(logging.ERROR)
         try:
             with tempfile.TemporaryDirectory(prefix="fp8sim-pg-") as d:
-                mp.spawn(_spawned_rank, args=(os.getpid(), world, cfg.to_dict(), str(out), os.path.join(d, "store"),
+                mp.spawn(spawned_rank, args=(os.getpid(), world, cfg.to_dict(), str(out), os.path.join(d, "store"),
                                               opts), nprocs=world, join=True)  # fmt: skip
         except mp.ProcessRaisedException as exc:
             if os.environ.get("FP8SIM_DEBUG") == "1":
                 raise  # the rank's traceback
-            raise _rank_error(exc) from None
+            raise rank_error(exc) from None
         finally:
             spawn_log.setLevel(level)
     import json
 
     return json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
-
-
-#: exceptions of a rank that mean bad input (the CLI's exit 2), as named in its traceback
-_INPUT_ERRORS = ("ValueError", "TypeError", "FileNotFoundError", "FileExistsError", "NotADirectoryError",
-                 "IsADirectoryError",
-                 "PermissionError", "OSError", "ArithmeticError", "NotImplementedError", "UsageError")
-
-
-def _rank_error(exc: Exception) -> Exception:
-    """The exception a spawned rank raised, from the traceback text torch hands back: a ValueError
-    with the rank's own message for bad input, else a RuntimeError naming it (a bug)."""
-    text = str(exc).strip().splitlines()
-    rank = next((ln.split()[2] for ln in text if ln.startswith("-- Process ")), "?")
-    last = text[-1] if text else type(exc).__name__
-    name, _, msg = last.partition(": ")
-    if name.rsplit(".", 1)[-1] in _INPUT_ERRORS:
-        return ValueError(msg or name)
-    return RuntimeError(f"rank {rank}: {last}")
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Make this spawned rank end when the launcher does (killed, it cannot stop its ranks): Linux's
-    parent-death signal, and an exit if the launcher is already gone."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def _spawned_rank(rank: int, parent_pid: int, *args: Any) -> None:
-    _die_with_parent(parent_pid)
-    _run_rank(rank, *args)
 
 
 def _run_rank(rank: int, world: int, cfg_dict: dict, out: str, init_file: str | None, opts: dict) -> None:
