@@ -111,6 +111,8 @@ def _check_json_dest(dest: str | None) -> None:
     """Refuse an unwritable ``--json`` destination before any work (not after it)."""
     if dest is None or dest == "-":
         return
+    if not dest.strip():
+        raise ValueError("--json: an empty path (give a file, or - for stdout)")
     parent = os.path.dirname(os.path.abspath(dest))
     if os.path.isdir(dest):
         raise ValueError(f"--json {dest}: is a directory")

@@ -370,16 +370,18 @@ class AbsHistogram:
     ) -> tuple[int, int]:
         """(lower, upper) bound of the overflow count under any positive ``scale``.
 
-        Equal (exact) when ``scale`` is a power of two, and whenever no value lies in an open bin
-        whose scaled values straddle the threshold (see :meth:`_scaled_above`: the float32
-        rounding of the product, ties included, is taken into account).
+        Equal (exact) when ``scale`` is a power of two (and the histogram keeps the mantissa
+        bits the format's thresholds need; a coarser one gives a bracket), and whenever no value
+        lies in an open bin whose scaled values straddle the threshold (see
+        :meth:`_scaled_above`: the float32 rounding of the product, ties included, is taken into
+        account).
         """
         fmt = get_format(fmt)
         j = _pow2_exponent(scale)
-        if j is not None and abs(j) < 100:  # exact by bins (module docstring)
+        thr = cast_thresholds(fmt, rounding)
+        if j is not None and abs(j) < 100 and thr.m_bits <= self.mantissa_bits:  # exact by bins
             n = self.overflow(fmt, j, rounding)
             return n, n
-        thr = cast_thresholds(fmt, rounding)
         if not (scale > 0 and math.isfinite(float(np.float32(scale)))):
             return 0, 0
         return self._scaled_above(thr.overflow_at, scale, thr.overflow_tie)
@@ -391,10 +393,10 @@ class AbsHistogram:
         :meth:`overflow_bounds`)."""
         fmt = get_format(fmt)
         j = _pow2_exponent(scale)
-        if j is not None and abs(j) < 100:  # exact by bins (module docstring)
+        thr = cast_thresholds(fmt, rounding)
+        if j is not None and abs(j) < 100 and thr.m_bits <= self.mantissa_bits:  # exact by bins
             n = self.underflow(fmt, j, rounding)
             return n, n
-        thr = cast_thresholds(fmt, rounding)
         if not (scale > 0 and math.isfinite(float(np.float32(scale)))):
             return self.nonzero, self.nonzero
         # a nonzero p underflows iff it is not above the threshold (the tie as the rule says)

@@ -21,7 +21,23 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["check_chunk_sequence", "check_chunk_values"]
+__all__ = ["check_catalogue", "check_chunk_sequence", "check_chunk_values"]
+
+
+def check_catalogue(rounding: str, formats: list[str], tensors: list) -> None:
+    """ValueError unless trace.json's rounding is one a writer takes, its formats are known and
+    its tensor names are distinct (a second entry of a name would be merged away silently)."""
+    from fp8sim.abs_histogram import COUNT_ROUNDINGS
+    from fp8sim.formats import get_format
+
+    if rounding not in COUNT_ROUNDINGS:
+        raise ValueError(f"rounding {rounding!r} is not one of {', '.join(COUNT_ROUNDINGS)}")
+    for f in formats + [t.format for t in tensors]:
+        get_format(f)  # ValueError naming the valid formats
+    names = [t.name for t in tensors]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"tensor names listed twice: {', '.join(dup)}")
 
 
 def check_chunk_sequence(trace: Path, chunks: list[tuple[int, int, int, Path]]) -> None:

@@ -24,7 +24,7 @@ from fp8sim.trace import (
     TraceRecord,
     _list_chunks,
 )
-from fp8sim.trace_checks import check_chunk_sequence, check_chunk_values
+from fp8sim.trace_checks import check_catalogue, check_chunk_sequence, check_chunk_values
 
 __all__ = ["TraceReader"]
 
@@ -72,6 +72,7 @@ class TraceReader:
                            tuple(int(n) for n in t["shape"]), i)  # fmt: skip
                 for i, t in enumerate(meta.get("tensors", []))
             ]
+            check_catalogue(rounding, formats, tensors)
         except Exception as exc:  # missing keys, wrong types: one line naming the file
             raise ValueError(f"{meta_path}: corrupt trace.json: {type(exc).__name__}: {exc}") from None
         self.meta = meta

@@ -131,3 +131,40 @@ def test_interrupted_truncation_leaves_a_readable_prefix(tmp_path, monkeypatch):
     assert sorted(set(r.steps().tolist())) == list(range(6))
     TraceWriter(t, mode="a").truncate_after(1)
     assert sorted(set(TraceReader(t).steps().tolist())) == [0, 1]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: m.update(rounding="stochastic"), "rounding 'stochastic' is not one of"),
+    (lambda m: m["tensors"][0].update(format="e9m9"), "e9m9"),
+    (lambda m: m["tensors"].append(dict(m["tensors"][0])), "tensor names listed twice: a"),
+])  # fmt: skip
+def test_edited_catalogue_is_refused(tmp_path, capsys, edit, says):
+    t = make(tmp_path / "t")
+    meta = json.loads((t / "trace.json").read_text())
+    edit(meta)
+    (t / "trace.json").write_text(json.dumps(meta))
+    rc, err = replay(capsys, t)
+    assert rc == 2 and "trace.json: corrupt trace.json" in err and says in err
+
+
+def test_coarse_histograms_give_brackets_for_power_of_two_scales(tmp_path, capsys):
+    """A trace with 2 histogram mantissa bits cannot give e4m3's counts exactly (its thresholds
+    need 4); power-of-two policies get a bracket then, as other scales do, not an error."""
+    rng = np.random.default_rng(1)
+    with TraceWriter(tmp_path / "t", hist_mantissa_bits=2) as tw:
+        tw.add_tensor("a", "activation", "e4m3", (256,))
+        for s in range(3):
+            tw.record(s, "a", rng.standard_normal(256).astype(np.float32) * 300, scale=1.0)
+    out = tmp_path / "r.json"
+    rc = cli.main(["replay", str(tmp_path / "t"), "--policy", "current:pow2", "--policy", "msamp",
+                   "--json", str(out)])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    recs = json.loads(out.read_text())["records"]
+    rows = [r for p, rs in recs.items() if p != "recorded" for r in rs]
+    assert all(r["overflow"][0] <= r["overflow"][1] for r in rows) and len(rows) == 6
+
+
+def test_empty_json_destination_is_refused(tmp_path, capsys):
+    rc, err = (cli.main(["replay", str(make(tmp_path / "t")), "--policy", "current", "--json", ""]),
+               capsys.readouterr().err)  # fmt: skip
+    assert rc == 2 and "--json: an empty path" in err
