@@ -173,3 +173,15 @@ def test_replay_cli_allreduce(tmp_path, capsys):
     assert "FP8 all-reduce over 2 ranks" in capsys.readouterr().out
     assert cli.main(["replay", str(tmp_path), "--allreduce", "2", "--policy", "current"]) == 2
     assert cli.main(["replay", str(tmp_path), "--allreduce", "1"]) == 2
+
+
+def test_tensors_saved_by_some_ranks_only_are_named(tmp_path):
+    _write_rank_traces(tmp_path, steps=(1, 3))
+    gone = [f for f in (tmp_path / "rank1" / "tensors").iterdir() if f.name.startswith("00000003-")]
+    assert gone
+    for f in gone:
+        f.unlink()  # rank 1 lost its step-3 saves
+    res = replay_allreduce(tmp_path, 2, methods=["pre"], reductions=["exact"])
+    assert res["steps"] == [1] and res["records"] == 2
+    assert res["incomplete"] == [[3, "h.0.c_fc.weight_grad"], [3, "h.0.c_proj.weight_grad"]]
+    assert "note: 2 (step, tensor) pairs saved by only some ranks left out" in format_allreduce_report(res)

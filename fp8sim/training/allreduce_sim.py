@@ -250,7 +250,9 @@ def _rank_dirs(path: Path) -> list[Path]:
     return subs
 
 
-def load_rank_gradients(path: str | os.PathLike, ranks: int) -> tuple[str, list[tuple[int, str, list[torch.Tensor]]]]:
+def load_rank_gradients(
+    path: str | os.PathLike, ranks: int
+) -> tuple[str, list[tuple[int, str, list[torch.Tensor]]], list[tuple[int, str]]]:
     """Per-rank weight gradients from a trace, as ``(source, [(step, name, [g_0 .. g_{N-1}])])``.
 
     * a directory of per-rank traces ``rank0/ rank1/ ...`` (``fp8sim train --nproc N --record``):
@@ -274,8 +276,11 @@ def load_rank_gradients(path: str | os.PathLike, ranks: int) -> tuple[str, list[
         readers = [TraceReader(p) for p in subs[:ranks]]
         wgrad = {t.name for t in readers[0].tensors if t.role == "weight_grad"}
         common = set(readers[0].saved_tensors())
+        union = set(common)
         for r in readers[1:]:
             common &= set(r.saved_tensors())
+            union |= set(r.saved_tensors())
+        skipped = sorted(e for e in union - common if e[1] in wgrad)  # saved by some ranks only
         for step, name in sorted(common):
             if name in wgrad:
                 out.append((step, name, [r.load_tensor(step, name).float() for r in readers]))
@@ -292,7 +297,7 @@ def load_rank_gradients(path: str | os.PathLike, ranks: int) -> tuple[str, list[
                 group = steps[i : i + ranks]
                 out.append((group[0], name, [reader.load_tensor(s, name).float() for s in group]))
         out.sort(key=lambda e: (e[0], e[1]))
-        source = "steps-as-ranks"
+        source, skipped = "steps-as-ranks", []
     else:
         raise ValueError(f"{path}: not an fp8sim trace nor a directory of rank*/ traces")
     if not out:
@@ -300,7 +305,7 @@ def load_rank_gradients(path: str | os.PathLike, ranks: int) -> tuple[str, list[
             f"{path}: no saved weight gradients for {ranks} ranks (record with --save-every K; a single "
             f"trace needs {ranks} saved steps per tensor)"
         )
-    return source, out
+    return source, out, skipped
 
 
 def replay_allreduce(
@@ -314,7 +319,8 @@ def replay_allreduce(
 ) -> dict:
     """Every (method, reduction) over the trace's saved weight gradients, ``ranks`` ranks.
 
-    Returns ``{"source", "ranks", "format", "records": n, "rows": [...]}``; one row per
+    Returns ``{"source", "ranks", "format", "records": n, "rows": [...], "incomplete": [[step,
+    name], ...] (saved by some ranks only: left out)}``; one row per
     (method, reduction) with totals over all (step, tensor) records: ``overflow_events``
     (records with any saturated sum), ``overflow_sum`` / ``overflow_in`` (elements),
     ``underflow_share`` (of nonzero inputs), ``underflow_out``, ``rel_error_mean`` /
@@ -326,7 +332,7 @@ def replay_allreduce(
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown all-reduce method {m!r}; valid: {', '.join(METHODS)}")
-    source, records = load_rank_gradients(path, ranks)
+    source, records, skipped = load_rank_gradients(path, ranks)
     rows = []
     for method in methods:
         for reduce in reductions:
@@ -350,7 +356,8 @@ def replay_allreduce(
                 row["mu"] = {name: policy.mu(name) for name in sorted({r[1] for r in records})}
             rows.append(row)
     return {"source": source, "ranks": ranks, "format": get_format(fmt).name, "records": len(records),
-            "steps": sorted({r[0] for r in records}), "rows": rows}
+            "steps": sorted({r[0] for r in records}), "rows": rows,
+            "incomplete": [[step, name] for step, name in skipped]}
 
 
 def format_allreduce_report(result: dict) -> str:
@@ -369,6 +376,10 @@ def format_allreduce_report(result: dict) -> str:
             f"{100 * r['underflow_share']:>10.3f}%{r['rel_error_mean']:>10.2e}{r['rel_error_max']:>10.2e}"
             f"{r['snr_db_mean']:>8.1f}"
         )
+    gone = result.get("incomplete") or []
+    if gone:
+        shown = ", ".join(f"{n} @ {s}" for s, n in gone[:5]) + (" ..." if len(gone) > 5 else "")
+        lines.append(f"\nnote: {len(gone)} (step, tensor) pairs saved by only some ranks left out: {shown}")
     return "\n".join(lines)
 
 
