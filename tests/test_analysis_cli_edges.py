@@ -294,3 +294,13 @@ def test_hugging_face_torch_bin_checkpoints(tmp_path, capsys):
     rc, _, err = run(capsys, "analyze", d / "vocab.bin")
     assert rc == 2 and "vocab.bin: a .bin file that is not a torch checkpoint" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("rule, says", [("overflow<0", "never negative"), ("events>-1", "never negative"),
+                                        ("underflow>200%", "at most 100%")])  # fmt: skip
+def test_fail_on_rules_that_cannot_decide_are_refused(rule, says):
+    from analysis.report import REPLAY_FAIL_METRICS, parse_fail_on
+
+    with pytest.raises(ValueError, match=says):
+        parse_fail_on(rule, REPLAY_FAIL_METRICS)
+    assert parse_fail_on("sqnr_db<-3")[0].value == -3  # a negative SQNR is a real figure
