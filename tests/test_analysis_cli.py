@@ -201,7 +201,7 @@ def test_fail_on_applies_only_to_rows_with_the_field(tmp_path, capsys):
     with TraceWriter(tr, {}) as tw:
         tw.add_tensor("w", "weight", "e4m3", (4,))
         tw.record(0, "w", np.array([0.5, 1, 2, 4], np.float32), scale=1.0)
-    rc, out, err = run(capsys, "analyze", str(tr), "--fail-on", "sqnr_db>1000,rel_mse<0")
+    rc, out, err = run(capsys, "analyze", str(tr), "--fail-on", "sqnr_db>1000,rel_mse>0")
     assert rc == 0, err  # trace rows have neither field
     rule = parse_fail_on("sqnr_db>1000")[0]
     assert rule.crossed({"sqnr_db": None, "rel_mse": 0.0})  # exact: +inf dB
