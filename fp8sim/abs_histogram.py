@@ -57,6 +57,10 @@ __all__ = [
 EXPONENT_MIN = -150
 EXPONENT_MAX = 128
 DEFAULT_HIST_MANTISSA_BITS = 5
+#: float32's smallest normal and largest finite values: scaled thresholds outside that range
+#: meet the product's float32 rounding (subnormal) or overflow, which bins alone cannot see
+_F32_TINY = 2.0**-126
+_F32_MAX = float(np.finfo(np.float32).max)
 #: rounding modes for which over/underflow is a pure function of |x| (thresholds)
 COUNT_ROUNDINGS = ("rne", "rna", "rtz")
 
@@ -343,6 +347,8 @@ class AbsHistogram:
         the threshold, and are equal whenever no value lies in such a bin."""
         s32 = np.float32(scale)
         s = float(s32)
+        if threshold > _F32_MAX:  # only a product that overflows to inf is above it
+            threshold, inclusive = _F32_MAX, False
         d = max(threshold * 2.0**-20, 2.0**-148)
         lo_t, hi_t = (threshold - d) / s, (threshold + d) / s
         first = 1 << (self.mantissa_bits + 1)  # the first id above the float32-zero sentinel
@@ -379,10 +385,11 @@ class AbsHistogram:
         fmt = get_format(fmt)
         j = _pow2_exponent(scale)
         thr = cast_thresholds(fmt, rounding)
-        if j is not None and abs(j) < 100 and thr.m_bits <= self.mantissa_bits:  # exact by bins
+        bins_exact = thr.m_bits <= self.mantissa_bits and thr.overflow_at >= _F32_TINY
+        if j is not None and abs(j) < 100 and bins_exact:  # exact by bins (module docstring)
             n = self.overflow(fmt, j, rounding)
             return n, n
-        if not (scale > 0 and math.isfinite(float(np.float32(scale)))):
+        if not (0 < float(np.float32(scale)) < math.inf):
             return 0, 0
         return self._scaled_above(thr.overflow_at, scale, thr.overflow_tie)
 
@@ -394,10 +401,11 @@ class AbsHistogram:
         fmt = get_format(fmt)
         j = _pow2_exponent(scale)
         thr = cast_thresholds(fmt, rounding)
-        if j is not None and abs(j) < 100 and thr.m_bits <= self.mantissa_bits:  # exact by bins
+        bins_exact = thr.m_bits <= self.mantissa_bits and thr.underflow_at >= _F32_TINY
+        if j is not None and abs(j) < 100 and bins_exact:  # exact by bins (module docstring)
             n = self.underflow(fmt, j, rounding)
             return n, n
-        if not (scale > 0 and math.isfinite(float(np.float32(scale)))):
+        if not (0 < float(np.float32(scale)) < math.inf):
             return self.nonzero, self.nonzero
         # a nonzero p underflows iff it is not above the threshold (the tie as the rule says)
         lo, hi = self._scaled_above(thr.underflow_at, scale, not thr.underflow_tie)

@@ -7,8 +7,8 @@ What the writer guarantees and is checked here:
 * chunk files are numbered 0, 1, 2, ... without gaps (a truncation deletes from the last one
   down, so an interrupted one leaves a prefix), and their step ranges strictly ascend (a step is
   never flushed twice);
-* within a chunk: steps inside the file name's range and non-decreasing, a tensor at most
-  once per step; counts non-negative;
+* within a chunk: steps inside the file name's range and non-decreasing (a tensor may have
+  several records in one step: micro-batches, a layer called twice); counts non-negative;
   ``zero + nan + inf + (histogram total) == numel``; overflow at most the finite values,
   underflow at most the finite nonzero ones; scales finite and positive as float32 (the cast is
   rebuilt from them); amax non-negative (or NaN/inf); histogram bin ids strictly ascending within
@@ -72,9 +72,6 @@ def check_chunk_values(path: Path, cols: dict[str, np.ndarray], first: int, last
         bad(f"steps outside {first}..{last}, the range its name gives")
     if (np.diff(step) < 0).any():
         bad("steps out of order")
-    tensor = cols["tensor"].astype(np.int64)
-    if step.size and np.unique((step - first) * (int(tensor.max()) + 1) + tensor).size < step.size:
-        bad("a tensor recorded twice at one step")
     for c in ("numel", "zero", "nan", "inf", "overflow", "underflow"):
         if cols[c].size and cols[c].min() < 0:
             bad(f"negative {c}")

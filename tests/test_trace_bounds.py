@@ -88,3 +88,26 @@ def test_reported_case_no_longer_claims_a_wrong_exact_count():
     s = np.float32(0.0009191176504828036)
     assert float(b32[0] * s) == 2.0**-10
     assert abs_histogram(b32).underflow_bounds("e4m3", s) == (10, 10)
+
+
+def test_bf16_underflow_tie_below_float32_normals_is_bracketed():
+    """bf16's underflow threshold 2**-134 lies where float32 products are subnormal and round:
+    2**-112 * (1 + 2**-23) scaled by 2**-22 lands on the tie, which torch rounds to 0. A
+    power-of-two scale is not exact by bins there; the bracket must hold the truth."""
+    import torch
+
+    x = np.array([2.0**-112 * (1 + 2.0**-23)], np.float32)
+    s = np.float32(2.0**-22)
+    truth = int((torch.from_numpy(x * s).to(torch.bfloat16).float().numpy() == 0).sum())
+    lo, hi = abs_histogram(x, 8).underflow_bounds("bf16", s)
+    assert truth == 1 and lo <= truth <= hi
+
+
+def test_products_that_overflow_float32_and_zero_scales():
+    h = abs_histogram(np.array([5e35], np.float32))
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float32(5e35) * np.float32(1000))
+    assert h.count_scaled_above(1e39, 1000.0) == (1, 1)  # inf is above any finite threshold
+    one = abs_histogram(np.ones(3, np.float32))
+    assert one.overflow_bounds("e4m3", 1e-50) == (0, 0)  # float32(1e-50) is 0: every product 0
+    assert one.underflow_bounds("e4m3", 1e-50) == (3, 3)

@@ -222,3 +222,24 @@ def test_torchrun_variables_are_checked(tmp_path, capsys, corpus, monkeypatch, r
     monkeypatch.setenv("WORLD_SIZE", world)
     rc, _, err = train(capsys, corpus, "--steps", "2", "--out", tmp_path / "r")
     assert rc == 2 and says in err
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_killed_before_the_first_metrics_row_with_a_trace(tmp_path, capsys, corpus, nproc):
+    """Killed after config.json and the trace's trace.json, before any row: --resume starts
+    again (the trace included), a plain rerun says to resume."""
+    from fp8sim.trace import TraceReader, TraceWriter
+
+    out, trace = tmp_path / "r", tmp_path / "r" / "trace"
+    args = ["--recipe", "te-delayed", "--steps", "2", "--nproc", nproc, "--out", out, "--record", trace]
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    for sub in ([trace / f"rank{r}" for r in range(nproc)] if nproc > 1 else [trace]):
+        TraceWriter(sub).close()  # an empty trace, as a run killed at once leaves it
+    rc, _, err = train(capsys, corpus, *args)
+    assert rc == 2 and "already holds a run" in err
+    rc, _, err = train(capsys, corpus, *args, "--resume")
+    assert rc == 0 and "starting again from step 0" in err, err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    sub = trace / "rank0" if nproc > 1 else trace
+    assert TraceReader(sub).steps().tolist() == [1, 2]

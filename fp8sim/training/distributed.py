@@ -185,15 +185,20 @@ def train_distributed(
         if info is None and (out / CHECKPOINT_NAME).is_file():
             raise ValueError(f"--resume: {out} holds a single-process checkpoint; resume it without --nproc "
                              "(and with a single-process recipe)")  # fmt: skip
-        if info is None and not (out / "metrics.jsonl").is_file():
-            raise ValueError(f"--resume: {out} holds no run to resume (no data-parallel checkpoint, no metrics.jsonl)")
+        if info is None and not ((out / "metrics.jsonl").is_file() or (out / "config.json").is_file()):
+            raise ValueError(f"--resume: {out} holds no run to resume (no data-parallel checkpoint, no config.json)")
         if info is None:  # killed before its first checkpoint: nothing to resume, start again
             print(f"fp8sim train: {out}: no checkpoint yet; starting again from step 0", file=sys.stderr)
             resume, restart = False, True
         elif info["world"] != world:
             raise ValueError(f"--resume: {out} was checkpointed by {info['world']} ranks, not {world}")
-    elif (out / "metrics.jsonl").exists():
+    elif (out / "metrics.jsonl").exists() or (out / "config.json").exists():
         raise ValueError(f"{out} already holds a run; resume it (--resume) or choose another output directory")
+    if not resume:  # a run here from now on (before any rank starts a trace): see Trainer
+        import json
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     opts = {"restart": restart, "grad_scaling": grad_scaling, "fp8_grads": fp8_grads, "record": None if record is None else str(record),
             "save_every": int(save_every), "progress": progress, "resume": bool(resume), "stop_after": stop_after}
     if env:

@@ -223,8 +223,8 @@ class Trainer:
             raise ValueError(f"--out {self.out}: exists and is not a directory")
         # --resume of a run killed before its first checkpoint: nothing to resume, start again
         restart = resume and not (self.out / CHECKPOINT_NAME).is_file()
-        if restart and not (self.out / "metrics.jsonl").is_file():
-            raise FileNotFoundError(f"--resume: {self.out} holds no run to resume (no metrics.jsonl)")
+        if restart and not ((self.out / "metrics.jsonl").is_file() or (self.out / "config.json").is_file()):
+            raise FileNotFoundError(f"--resume: {self.out} holds no run to resume (no config.json)")
         if restart:
             from fp8sim.training.dist_checkpoint import latest_checkpoint
 
@@ -235,7 +235,7 @@ class Trainer:
             print(f"fp8sim train: {self.out}: no checkpoint yet; starting again from step 0", file=sys.stderr)
         elif resume:
             ck = self._resume()
-        elif (self.out / "metrics.jsonl").exists():
+        elif (self.out / "metrics.jsonl").exists() or (self.out / "config.json").exists():
             raise ValueError(f"{self.out} already holds a run; resume it (--resume) or choose another output "
                              "directory")  # fmt: skip
         self.out.mkdir(parents=True, exist_ok=True)
