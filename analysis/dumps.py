@@ -22,9 +22,8 @@ Fortran-ordered arrays and non-contiguous tensors are copied out of a file mappi
 Nested containers (dicts, lists, tuples in a .pt; ``/`` in npz member names) become dotted names:
 ``{"model": {"layers": [{"w": t}]}}`` -> ``model.layers.0.w``.
 
-FP8 tensors (safetensors ``F8_E4M3``/``F8_E5M2``; torch ``float8_e4m3fn``, ``float8_e5m2`` and
-the FNUZ pair in a .pt) are read as the exact float32 values of their codes (the emulator's decode
-table; NaN codes give NaN): the values as stored, no companion scale applied.
+FP8 tensors (safetensors ``F8_E4M3``/``F8_E5M2``, torch's four float8 dtypes) read as the exact
+float32 values of their codes (NaN codes: NaN), as stored: no companion scale is applied.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import zipfile
 import zlib
@@ -58,6 +58,7 @@ __all__ = [
 DUMP_SUFFIXES = (".safetensors", ".pt", ".pth", ".npy", ".npz")
 #: torch checkpoints named ``.bin`` (Hugging Face ``pytorch_model.bin``) open as .pt files
 _TORCH_BIN = ".bin"
+_HF_BIN = re.compile(r"^pytorch_model.*\.bin$")  # pytorch_model.bin, pytorch_model-00001-of-00002.bin
 #: FP8 dtypes (torch's names) and the fp8sim format whose decode table gives their values
 FP8_DTYPES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float8_e4m3fnuz": "e4m3fnuz",
               "float8_e5m2fnuz": "e5m2fnuz"}  # fmt: skip
@@ -582,16 +583,11 @@ def expand_paths(paths: list[str | os.PathLike]) -> list[str]:
                 out.extend(
                     os.path.join(root, f)
                     for f in sorted(files)
-                    if Path(f).suffix.lower() in DUMP_SUFFIXES or _hf_torch_weights(f)
+                    if Path(f).suffix.lower() in DUMP_SUFFIXES or _HF_BIN.match(f)
                 )
         else:
             out.append(p)
     return out
-
-
-def _hf_torch_weights(name: str) -> bool:
-    """``pytorch_model.bin`` or a shard ``pytorch_model-00001-of-00002.bin``."""
-    return name.startswith("pytorch_model") and name.endswith(_TORCH_BIN)
 
 
 def iter_dumps(paths: list[str | os.PathLike]) -> Iterator[tuple[str, Dump | ValueError]]:
