@@ -79,10 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fp8sim {args.command}: interrupted", file=sys.stderr)
         return 130
+    except MemoryError as exc:  # numpy's "Unable to allocate ...", or a bare one
+        print(f"fp8sim {args.command}: error: out of memory ({one_line(str(exc)) or 'MemoryError'})",
+              file=sys.stderr)  # fmt: skip
+        return 2
     except Exception as exc:  # a bug, not bad input: its own exit code (1 means --fail-on)
         if os.environ.get("FP8SIM_DEBUG") == "1":
             raise
         msg = one_line(str(exc))
+        if isinstance(exc, RuntimeError) and "can't allocate memory" in msg:  # torch's allocator
+            print(f"fp8sim {args.command}: error: out of memory ({msg})", file=sys.stderr)
+            return 2
         print(f"fp8sim {args.command}: internal error: {type(exc).__name__}: {msg} (a bug; "
               "FP8SIM_DEBUG=1 shows the traceback)", file=sys.stderr)  # fmt: skip
         return 3

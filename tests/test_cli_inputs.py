@@ -78,3 +78,21 @@ def test_output_into_a_closed_pipe_is_not_an_error():
     proc = subprocess.run(f"{sys.executable} -m cli policies --json | head -c 1",
                           shell=True, capture_output=True, text=True)  # fmt: skip
     assert proc.stdout == "{" and proc.stderr == ""
+
+
+@pytest.mark.parametrize("exc", [MemoryError("Unable to allocate 32.0 GiB"),
+                                 RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried")])  # fmt: skip
+def test_out_of_memory_is_one_line_not_a_bug(capsys, monkeypatch, exc):
+    import fp8sim.commands.formats as formats_cmd
+
+    def boom(args):
+        raise exc
+
+    monkeypatch.setattr(formats_cmd, "run", boom)
+    rc, _, err = run(capsys, "formats")
+    assert rc == 2 and err.startswith("fp8sim formats: error: out of memory") and "a bug" not in err
+
+
+def test_training_data_must_be_a_file_or_directory(capsys, tmp_path):
+    rc, _, err = run(capsys, "train", "--data", "/dev/null", "--steps", "1", "--out", tmp_path / "r")
+    assert rc == 2 and "not a regular file or a directory" in err

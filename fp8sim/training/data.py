@@ -91,6 +91,8 @@ def load_corpus(
             files = [path]
         elif path.is_dir():
             files = _dir_files(path)
+        elif path.exists():  # a device, a pipe, a socket: not a corpus of bytes to split
+            raise ValueError(f"--data {data}: not a regular file or a directory")
         else:
             raise FileNotFoundError(f"--data {data}: no such file or directory")
         source = str(path)
