@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fp8sim.atomic_file import atomic_write
+
 __all__ = ["CHECKPOINT_NAME", "save_checkpoint", "load_checkpoint", "capture_rng", "restore_rng", "to_storable",
            "from_storable"]
 
@@ -92,22 +94,18 @@ def save_checkpoint(
         if key in payload:
             raise ValueError(f"save_checkpoint: extra key {key!r} collides with a checkpoint field")
         payload[key] = to_storable(value)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_atomically(payload, tmp, path)
-    for stale in path.parent.glob(path.name + ".tmp*"):  # left by runs killed while saving
-        stale.unlink(missing_ok=True)
+    save_whole(payload, path)
     return path
 
 
-def save_atomically(payload: dict, tmp: Path, path: Path) -> None:
-    """``torch.save`` into ``tmp``, then rename it to ``path``; ``tmp`` is removed if the save
-    fails or is interrupted (Ctrl-C), so ``path`` is always a whole checkpoint or the old one."""
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+def save_whole(payload: dict, path: Path) -> None:
+    """``torch.save`` of ``payload`` into ``path`` whole or not at all (an interrupted save leaves
+    the old file and removes its temporary one), and the temporary files of saves killed outright
+    (SIGKILL) before it removed."""
+    atomic_write(path, lambda f: torch.save(payload, f))
+    for pattern in (f".{path.name}.*.tmp", f"{path.name}.tmp*"):  # the second: older versions
+        for stale in path.parent.glob(pattern):
+            stale.unlink(missing_ok=True)
 
 
 def load_payload(path: Path, version: int, keys: tuple[str, ...]) -> dict:

@@ -28,7 +28,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from fp8sim.training.checkpoint import from_storable, load_payload, save_atomically, to_storable
+from fp8sim.atomic_file import atomic_write
+from fp8sim.training.checkpoint import from_storable, load_payload, save_whole, to_storable
 
 __all__ = ["CHECKPOINT_DIR", "save_rank_checkpoint", "latest_checkpoint", "load_rank_checkpoint"]
 
@@ -55,16 +56,14 @@ def save_rank_checkpoint(
     d = _step_dir(run, step)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"rank{rank}.pt"
-    tmp = path.with_name(path.name + ".tmp")
     body = {"version": _VERSION, "step": int(step), "rank": int(rank), "world": int(world), **payload}
-    save_atomically(to_storable(body), tmp, path)
+    save_whole(to_storable(body), path)
     if barrier is not None:
         barrier()  # every rank's file of this step is complete
     if rank == 0:
         latest = run / CHECKPOINT_DIR / "LATEST"
-        tmp_latest = latest.with_name("LATEST.tmp")
-        tmp_latest.write_text(json.dumps({"step": int(step), "world": int(world)}) + "\n")
-        os.replace(tmp_latest, latest)
+        text = json.dumps({"step": int(step), "world": int(world)}) + "\n"
+        atomic_write(latest, lambda f: f.write(text.encode()))
         for old in (run / CHECKPOINT_DIR).glob("step*"):
             # only older steps: a later step's directory may already be in the making
             if old.is_dir() and old.name[4:].isdigit() and int(old.name[4:]) < step:

@@ -544,8 +544,6 @@ class _RankRun:
             self._finish(read_metrics(self.out), mems, time.perf_counter() - t_start)
 
     def _finish(self, rows: list[dict], mems: list[dict], wall_s: float) -> None:
-        import json
-
         cfg = self.cfg
         vals = [r["val_loss"] for r in rows if "val_loss" in r]
         comm = {k: sum(r["comm_bytes"][k] for r in rows) / len(rows) for k in rows[0]["comm_bytes"]}
@@ -568,6 +566,6 @@ class _RankRun:
             summary["allreduce"]["mu_final"] = rows[-1]["allreduce"]["mu_min"], rows[-1]["allreduce"]["mu_max"]
         if self.zero is not None:
             summary["zero_loads"] = self.zero.loads()
-        tmp = self.out / "run.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, self.out / "run.json")
+        from fp8sim.training.trainer import write_json
+
+        write_json(self.out / "run.json", summary)

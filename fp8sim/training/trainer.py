@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from fp8sim.atomic_file import atomic_write
 from fp8sim.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, restore_rng, save_checkpoint
 from fp8sim.training.data import ByteCorpus, get_batch, load_corpus
 from fp8sim.training.fp8_linear import convert_to_fp8, get_fp8_state
@@ -359,7 +360,7 @@ class Trainer:
                     # resumes before the final step and writes it again; one resumed after it
                     # has run no step and keeps it (its gradients, part of the memory, are gone)
                     summary = self.summary(wall_s=time.perf_counter() - t_start)
-                    _write_json(self.out / "run.json", summary)
+                    write_json(self.out / "run.json", summary)
                 if final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                     self.save(step)
                 bar.update(1)
@@ -375,7 +376,7 @@ class Trainer:
         if (self.out / "run.json").is_file():
             return json.loads((self.out / "run.json").read_text())
         summary = self.summary(wall_s=time.perf_counter() - t_start)  # an older run without one
-        _write_json(self.out / "run.json", summary)
+        write_json(self.out / "run.json", summary)
         return summary
 
     def summary(self, wall_s: float | None = None) -> dict:
@@ -404,11 +405,10 @@ def _check_corpus(out: Path, ck: dict, corpus) -> None:
                          f"{ck['corpus']}, now {corpus.fingerprint}); resuming would train on other data")
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    """``obj`` into ``path`` atomically (a temporary file, then a rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+def write_json(path: Path, obj: dict) -> None:
+    """``obj`` as indented JSON into ``path``, whole or not at all."""
+    text = json.dumps(obj, indent=2) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _median(xs: list[float]) -> float | None:
