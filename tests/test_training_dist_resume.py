@@ -105,7 +105,7 @@ def test_one_rank_o2_resumes_bit_exactly(tmp_path):
 def test_resume_refuses_a_different_run(tmp_path):
     cfg = _cfg("fp8lm-o1", steps=2)
     run = tmp_path / "run"
-    with pytest.raises(ValueError, match="no data-parallel checkpoint"):
+    with pytest.raises(FileNotFoundError, match="holds no run to resume"):
         train_distributed(cfg, run, progress=False, resume=True)
     train_distributed(cfg, run, progress=False)
     with pytest.raises(ValueError, match="already holds a run"):

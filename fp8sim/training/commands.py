@@ -16,9 +16,10 @@ overflow/underflow events; ``--plot`` writes ``loss_curves.png``.
 from __future__ import annotations
 
 import argparse
-from fp8sim.commands._output import print_json
 import sys
 from pathlib import Path
+
+from fp8sim.commands._output import print_json
 
 __all__ = ["register", "run_train", "run_compare"]
 

@@ -11,7 +11,6 @@ The FP8 gradient all-reduce itself (a DDP communication hook) and its byte accou
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import torch
@@ -174,26 +173,16 @@ def train_distributed(
         raise ValueError(f"--grad-scaling/--fp8-grads apply to the FP8 all-reduce of the fp8lm recipes, "
                          f"not to {cfg.recipe!r}")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: exists and is not a directory")
-    restart = False
+    from fp8sim.training.trainer import start_mode
+
+    mode = start_mode(out, resume, data_parallel=True)
+    restart, resume = mode == "restart", mode == "resume"
     if resume:
-        from fp8sim.training.checkpoint import CHECKPOINT_NAME
         from fp8sim.training.dist_checkpoint import latest_checkpoint
 
         info = latest_checkpoint(out)
-        if info is None and (out / CHECKPOINT_NAME).is_file():
-            raise ValueError(f"--resume: {out} holds a single-process checkpoint; resume it without --nproc "
-                             "(and with a single-process recipe)")  # fmt: skip
-        if info is None and not ((out / "metrics.jsonl").is_file() or (out / "config.json").is_file()):
-            raise ValueError(f"--resume: {out} holds no run to resume (no data-parallel checkpoint, no config.json)")
-        if info is None:  # killed before its first checkpoint: nothing to resume, start again
-            print(f"fp8sim train: {out}: no checkpoint yet; starting again from step 0", file=sys.stderr)
-            resume, restart = False, True
-        elif info["world"] != world:
+        if info["world"] != world:
             raise ValueError(f"--resume: {out} was checkpointed by {info['world']} ranks, not {world}")
-    elif (out / "metrics.jsonl").exists() or (out / "config.json").exists():
-        raise ValueError(f"{out} already holds a run; resume it (--resume) or choose another output directory")
     if not resume:  # a run here from now on (before any rank starts a trace): see Trainer
         import json
 

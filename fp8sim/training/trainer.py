@@ -220,25 +220,10 @@ class Trainer:
         )
         self.start_step = 0
         ck = None
-        if self.out.exists() and not self.out.is_dir():
-            raise ValueError(f"--out {self.out}: exists and is not a directory")
-        # --resume of a run killed before its first checkpoint: nothing to resume, start again
-        restart = resume and not (self.out / CHECKPOINT_NAME).is_file()
-        if restart and not ((self.out / "metrics.jsonl").is_file() or (self.out / "config.json").is_file()):
-            raise FileNotFoundError(f"--resume: {self.out} holds no run to resume (no config.json)")
-        if restart:
-            from fp8sim.training.dist_checkpoint import latest_checkpoint
-
-            info = latest_checkpoint(self.out)
-            if info is not None:
-                raise ValueError(f"--resume: {self.out} was checkpointed by {info['world']} data-parallel "
-                                 f"rank(s); resume it with --nproc {info['world']}")  # fmt: skip
-            print(f"fp8sim train: {self.out}: no checkpoint yet; starting again from step 0", file=sys.stderr)
-        elif resume:
+        mode = start_mode(self.out, resume, data_parallel=False)
+        restart = mode == "restart"
+        if mode == "resume":
             ck = self._resume()
-        elif (self.out / "metrics.jsonl").exists() or (self.out / "config.json").exists():
-            raise ValueError(f"{self.out} already holds a run; resume it (--resume) or choose another output "
-                             "directory")  # fmt: skip
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         if restart:
@@ -403,6 +388,37 @@ def _check_corpus(out: Path, ck: dict, corpus) -> None:
     if ck.get("corpus") is not None and ck["corpus"] != corpus.fingerprint:
         raise ValueError(f"--resume: {out}: the corpus changed since the checkpoint (bytes:crc32 "
                          f"{ck['corpus']}, now {corpus.fingerprint}); resuming would train on other data")
+
+
+def start_mode(out: Path, resume: bool, *, data_parallel: bool) -> str:
+    """How a run in ``out`` starts: ``"fresh"``, ``"resume"`` (from its checkpoint) or
+    ``"restart"`` (``--resume`` of a run killed before its first checkpoint: nothing to resume,
+    so it starts again from step 0; said on stderr). A run has begun in ``out`` once its
+    config.json is written. Raises for an ``out`` that is a file, a fresh start over a run, a
+    resume with no run at all, and a checkpoint of the other kind (single-process vs
+    data-parallel: resuming it the wrong way would start over and lose it)."""
+    from fp8sim.training.dist_checkpoint import latest_checkpoint
+
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a directory")
+    begun = (out / "metrics.jsonl").is_file() or (out / "config.json").is_file()
+    if not resume:
+        if begun:
+            raise ValueError(f"{out} already holds a run; resume it (--resume) or choose another output directory")
+        return "fresh"
+    single, info = (out / CHECKPOINT_NAME).is_file(), latest_checkpoint(out)
+    if data_parallel and info is None and single:
+        raise ValueError(f"--resume: {out} holds a single-process checkpoint; resume it without --nproc "
+                         "(and with a single-process recipe)")  # fmt: skip
+    if not data_parallel and not single and info is not None:
+        raise ValueError(f"--resume: {out} was checkpointed by {info['world']} data-parallel rank(s); "
+                         f"resume it with --nproc {info['world']}")  # fmt: skip
+    if (info is not None) if data_parallel else single:
+        return "resume"
+    if not begun:
+        raise FileNotFoundError(f"--resume: {out} holds no run to resume (no checkpoint, no config.json)")
+    print(f"fp8sim train: {out}: no checkpoint yet; starting again from step 0", file=sys.stderr)
+    return "restart"
 
 
 def write_json(path: Path, obj: dict) -> None:
