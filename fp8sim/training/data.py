@@ -13,6 +13,7 @@ position of a run is therefore its step counter, and resuming needs nothing else
 
 from __future__ import annotations
 
+import functools
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -41,10 +42,11 @@ class ByteCorpus:
     def num_bytes(self) -> int:
         return int(self.train.numel() + self.val.numel())
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """``"<bytes>:<crc32>"`` of the train and validation bytes: checkpoints keep it, so a
-        resume on a corpus that changed meanwhile is refused instead of training on other data."""
+        resume on a corpus that changed meanwhile is refused instead of training on other data.
+        Computed once (every checkpoint stores it)."""
         import zlib
 
         crc = zlib.crc32(self.val.numpy().tobytes(), zlib.crc32(self.train.numpy().tobytes()))
