@@ -56,6 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--underflow-critical", type=float, default=2.0, metavar="PCT",
                    help="underflow share that makes a tensor critical (default 2%%)")  # fmt: skip
     p.add_argument("--top", type=int, default=50, help="table rows to print (0: all; default 50)")
+    p.add_argument("--fp8-scales", choices=("stored", "apply"), default="stored",
+                   help="FP8 tensors of a checkpoint with a companion NAME_scale_inv / NAME_scale: "
+                        "analyze the stored codes (default) or the values dequantized with it")  # fmt: skip
+    p.add_argument("--fp8-block", metavar="RxC",
+                   help="block shape of block scales (default: the checkpoint's config.json "
+                        "weight_block_size, else 128x128)")  # fmt: skip
     p.add_argument("--chunk", type=int, default=1 << 20, help=argparse.SUPPRESS)
     p.set_defaults(func=run_analyze)
 
@@ -239,6 +245,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         parse_fail_on,
         sort_worst_first,
     )
+    from analysis.fp8_scales import parse_block, link_fp8_scales
     from analysis.stats import parse_variants, tensor_stats
 
     from fp8sim.scaling import check_margin
@@ -250,6 +257,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     th = Thresholds(args.underflow_warning, args.underflow_critical)
     if args.chunk < 1 or args.top < 0:
         raise ValueError("--chunk must be >= 1 and --top >= 0")
+    fp8_block = parse_block(args.fp8_block) if args.fp8_block is not None else None
     _check_json_dest(args.json)
     plot_dir = _plot_dir(args.plot)
     errors: list[dict] = []
@@ -278,10 +286,10 @@ def run_analyze(args: argparse.Namespace) -> int:
             dumps.append(open_dump(path))
         except ValueError as exc:
             bad(path, exc)
+    notes: list[dict] = link_fp8_scales(dumps, args.fp8_scales, fp8_block, bad)
     total = 2 * sum(t.numel for d in dumps for t in d.tensors if t.is_float)
     show = bool(args.json is None and sys.stderr.isatty())
     records: list[dict] = []
-    notes: list[dict] = []
     traces: list[dict] = []
     plot_index = 0
     bar = _progress(total, show, "elem")
@@ -326,6 +334,7 @@ def run_analyze(args: argparse.Namespace) -> int:
                 st.file = dump.path
                 for rec in st.records():
                     rec["status"] = classify(rec, th)
+                    rec["dequantized_with"] = getattr(src, "described", None)  # --fp8-scales apply
                     records.append(rec)
                 if plot_dir:
                     _histogram_plot(plot_dir, plot_index, st, dump.path)

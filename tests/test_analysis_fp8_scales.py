@@ -1,0 +1,213 @@
+"""FP8 checkpoints with companion scales (``analyze --fp8-scales apply``): the dequantized values
+are checked against torch's own dequantization of the same checkpoint (``q.float() * scale``
+expanded over its groups), for DeepSeek-style 128 x 128 block scales, per-row and per-tensor
+scales, stacked experts, sharded checkpoints, config.json block sizes and the refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from analysis.dumps import open_dump
+from analysis.fp8_scales import ScaledSource, link_fp8_scales, parse_block
+from analysis.stats import parse_variants, tensor_stats
+
+
+def quantize_blocks(w: torch.Tensor, r: int, c: int, dtype=torch.float8_e4m3fn):
+    """Block-quantize the last two dims of ``w`` (ragged last blocks): (codes, scale_inv) with
+    scale_inv = block amax / 448, as DeepSeek-V3's checkpoints hold them."""
+    *lead, m, n = w.shape
+    gr, gc = -(-m // r), -(-n // c)
+    s = torch.zeros(*lead, gr, gc)
+    q = torch.empty(w.shape, dtype=dtype)
+    for i in range(gr):
+        for j in range(gc):
+            blk = w[..., i * r : (i + 1) * r, j * c : (j + 1) * c]
+            si = blk.abs().amax(dim=(-2, -1)).clamp_min(1e-12) / 448.0
+            s[..., i, j] = si
+            q[..., i * r : (i + 1) * r, j * c : (j + 1) * c] = (blk / si[..., None, None]).to(dtype)
+    return q, s
+
+
+def torch_dequant_blocks(q, s, r, c):
+    """torch's dequantization: every code's float32 value times its block's scale (float32)."""
+    m, n = q.shape[-2:]
+    full = s.float().repeat_interleave(r, dim=-2)[..., :m, :].repeat_interleave(c, dim=-1)[..., :n]
+    return (q.float() * full).numpy()
+
+
+def weights(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) * 0.05
+    w[..., :3, :] *= 300  # outlier rows: the block scales differ a lot
+    return w
+
+
+def analyze(*args):
+    out = subprocess.run([sys.executable, "-m", "cli", "analyze", *map(str, args)],
+                         capture_output=True, text=True)  # fmt: skip
+    return out.returncode, out.stdout, out.stderr
+
+
+def scaled(path, name, mode="apply", block=None):
+    dumps = [open_dump(path)]
+    errors = []
+    notes = link_fp8_scales(dumps, mode, block, lambda p, e: errors.append(str(e)))
+    return {t.name: t for d in dumps for t in d.tensors}, notes, errors
+
+
+def same_stats(x_ours, x_ref, variants):
+    a, b = tensor_stats(x_ours, variants), tensor_stats(x_ref, variants)
+    assert a.amax == b.amax and a.log2_counts.tolist() == b.log2_counts.tolist()
+    for va, vb in zip(a.variants, b.variants):
+        assert (va.overflow, va.underflow, va.subnormal, va.err2) == (vb.overflow, vb.underflow,
+                                                                      vb.subnormal, vb.err2)
+
+
+def test_deepseek_block_scales_ragged(tmp_path):
+    w = weights((300, 200))
+    q, s = quantize_blocks(w, 128, 128)
+    f = tmp_path / "model.safetensors"
+    save_file({"l.weight": q, "l.weight_scale_inv": s, "l.bias": torch.ones(300)}, str(f))
+    t, notes, errors = scaled(f, "l.weight")
+    assert not errors and "l.weight_scale_inv" not in t  # consumed, not analyzed on its own
+    src = t["l.weight"]
+    assert isinstance(src, ScaledSource) and src.kind == "block" and src.block == (128, 128)
+    ref = torch_dequant_blocks(q, s, 128, 128)
+    np.testing.assert_array_equal(src.read_all(), ref)
+    np.testing.assert_array_equal(src.read(12_345, 40_001), ref.ravel()[12_345:40_001])
+    assert "l.weight_scale_inv: 128x128 block scales (default)" in notes[0]["note"]
+    v = parse_variants(["e4m3", "e5m2"], ["tensor", "block:1x128"])
+    same_stats(src, ref, v)
+    # chunk boundaries anywhere (a chunk ends inside a row and inside a block)
+    a = tensor_stats(src, v, chunk=997)
+    b = tensor_stats(ref, v)
+    assert [x.underflow for x in a.variants] == [x.underflow for x in b.variants]
+
+
+def test_cli_apply_vs_stored(tmp_path):
+    w = weights((256, 384), seed=1)
+    q, s = quantize_blocks(w, 128, 128)
+    save_file({"w": q, "w_scale_inv": s}, str(tmp_path / "m.safetensors"))
+    rc, out, err = analyze(tmp_path, "--format", "e4m3", "--json", "-")
+    recs = json.loads(out)["records"]
+    assert rc == 0 and {r["name"] for r in recs} == {"w", "w_scale_inv"}
+    w_rec = next(r for r in recs if r["name"] == "w")
+    assert w_rec["amax"] <= 448 and w_rec["dequantized_with"] is None
+    assert "w_scale_inv was not applied" in err
+    rc, out, err = analyze(tmp_path, "--format", "e4m3", "--fp8-scales", "apply", "--json", "-")
+    recs = json.loads(out)["records"]
+    assert rc == 0 and [r["name"] for r in recs] == ["w"]
+    ref = torch_dequant_blocks(q, s, 128, 128)
+    assert recs[0]["amax"] == float(np.abs(ref).max())
+    assert recs[0]["dequantized_with"].startswith("w_scale_inv: 128x128 block scales")
+    assert recs[0]["dtype"] == "float8_e4m3fn"
+
+
+def test_row_and_tensor_scales_bf16_scale(tmp_path):
+    w = weights((64, 96), seed=2)
+    rows = (w.abs().amax(dim=1, keepdim=True) / 448.0).to(torch.bfloat16)  # compressed-tensors
+    q_row = (w / rows.float()).to(torch.float8_e4m3fn)
+    one = (w.abs().max() / 57344.0).reshape(1)
+    q_one = (w / one).to(torch.float8_e5m2)
+    save_file({"a.weight": q_row, "a.weight_scale": rows, "b.weight": q_one, "b.weight_scale": one,
+               "c.weight": q_row.clone(), "c.weight_scale": rows.reshape(64).clone()}, str(tmp_path / "m.safetensors"))  # fmt: skip
+    t, notes, errors = scaled(tmp_path / "m.safetensors", None)
+    assert not errors and sorted(t) == ["a.weight", "b.weight", "c.weight"]
+    ref_row = (q_row.float() * rows.float()).numpy()
+    assert t["a.weight"].kind == "row" and t["c.weight"].kind == "row"
+    np.testing.assert_array_equal(t["a.weight"].read_all(), ref_row)
+    np.testing.assert_array_equal(t["c.weight"].read(100, 3000), ref_row.ravel()[100:3000])
+    assert t["b.weight"].kind == "tensor"
+    np.testing.assert_array_equal(t["b.weight"].read_all(), (q_one.float() * one).numpy())
+
+
+def test_stacked_experts(tmp_path):
+    w = weights((3, 100, 70), seed=3)
+    q, s = quantize_blocks(w, 32, 32)
+    save_file({"experts.w": q, "experts.w_scale_inv": s}, str(tmp_path / "m.safetensors"))
+    t, _, errors = scaled(tmp_path / "m.safetensors", None, block=(32, 32))
+    assert not errors
+    np.testing.assert_array_equal(t["experts.w"].read_all(), torch_dequant_blocks(q, s, 32, 32))
+
+
+def test_block_from_config_json_and_override(tmp_path):
+    w = weights((128, 128), seed=4)
+    q, s = quantize_blocks(w, 64, 32)  # scale grid (2, 4)
+    save_file({"w": q, "w_scale_inv": s}, str(tmp_path / "m.safetensors"))
+    rc, _, err = analyze(tmp_path, "--fp8-scales", "apply")  # 128x128 would need a (1, 1) grid
+    assert rc == 2 and "w_scale_inv shape [2, 4] does not fit w shape [128, 128]" in err
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 32]}}))  # fmt: skip
+    t, notes, errors = scaled(tmp_path / "m.safetensors", None)
+    assert not errors and "64x32 block scales (config.json)" in notes[0]["note"]
+    np.testing.assert_array_equal(t["w"].read_all(), torch_dequant_blocks(q, s, 64, 32))
+    # --fp8-block wins over config.json: 32x128 does not fit the (2, 4) grid
+    rc, _, err = analyze(tmp_path, "--fp8-scales", "apply", "--fp8-block", "32x128")
+    assert rc == 2 and "32x128 blocks (--fp8-block" in err
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"quantization_config": {"weight_block_size": [64, "32"]}}))  # fmt: skip
+    rc, _, err = analyze(tmp_path, "--fp8-scales", "apply")
+    assert rc == 2 and "weight_block_size" in err and "not two positive ints" in err
+
+
+def test_sharded_checkpoint(tmp_path):
+    w = weights((130, 260), seed=5)
+    q, s = quantize_blocks(w, 128, 128)
+    save_file({"w": q}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"w_scale_inv": s, "other": torch.ones(4)},
+              str(tmp_path / "model-00002-of-00002.safetensors"))  # fmt: skip
+    rc, out, err = analyze(tmp_path, "--fp8-scales", "apply", "--format", "e4m3", "--json", "-")
+    recs = json.loads(out)["records"]
+    assert rc == 0 and sorted(r["name"] for r in recs) == ["other", "w"]
+    w_rec = next(r for r in recs if r["name"] == "w")
+    assert w_rec["amax"] == float(np.abs(torch_dequant_blocks(q, s, 128, 128)).max())
+
+
+def test_refusals_name_the_tensors(tmp_path):
+    q, s = quantize_blocks(weights((64, 64), seed=6), 64, 64)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file({"w": q, "w_scale_inv": torch.ones(3)}, str(bad / "m.safetensors"))
+    rc, _, err = analyze(bad, "--fp8-scales", "apply")
+    assert rc == 2 and "w_scale_inv shape [3] does not fit w shape [64, 64]" in err
+    amb = tmp_path / "amb"
+    amb.mkdir()
+    save_file({"w": q, "w_scale_inv": s, "w_scale": s.clone()}, str(amb / "m.safetensors"))
+    rc, _, err = analyze(amb, "--fp8-scales", "apply")
+    assert rc == 2 and "both w_scale_inv and w_scale" in err
+    ints = tmp_path / "ints"
+    ints.mkdir()
+    save_file({"w": q, "w_scale_inv": torch.ones(1, 1, dtype=torch.int32)}, str(ints / "m.safetensors"))
+    rc, _, err = analyze(ints, "--fp8-scales", "apply")
+    assert rc == 2 and "has dtype int32; a scale must be" in err
+    # --keep-going: the good file is still analyzed, the bad one listed
+    good = tmp_path / "good.safetensors"
+    save_file({"v": q, "v_scale_inv": s}, str(good))
+    rc, out, err = analyze(bad, good, "--fp8-scales", "apply", "--keep-going", "--json", "-")
+    assert rc == 2 and [r["name"] for r in json.loads(out)["records"]] == ["v"] * 2
+    assert "does not fit" in err
+    rc, _, err = analyze(good, "--fp8-block", "0x128")
+    assert rc == 2 and "--fp8-block '0x128'" in err
+
+
+def test_pt_checkpoint_and_no_companion_note(tmp_path):
+    q, s = quantize_blocks(weights((128, 256), seed=7), 128, 128)
+    torch.save({"layer": {"w": q, "w_scale_inv": s}, "lone": q.clone()}, tmp_path / "m.pt")
+    t, notes, errors = scaled(tmp_path / "m.pt", None)
+    assert not errors
+    np.testing.assert_array_equal(t["layer.w"].read_all(), torch_dequant_blocks(q, s, 128, 128))
+    assert any(n["name"] == "lone" and "no companion" in n["note"] for n in notes)
+
+
+def test_parse_block():
+    assert parse_block("128x128") == (128, 128) and parse_block("1X32") == (1, 32)
+    for bad in ("128", "x", "0x1", "1x-2", "axb", "1x2x3", f"{2**31 + 1}x1"):
+        with pytest.raises(ValueError, match="--fp8-block"):
+            parse_block(bad)
