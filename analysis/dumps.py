@@ -69,15 +69,15 @@ _ST_DTYPES = {
     "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
     "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
     "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
 }  # fmt: skip
 _ITEMSIZE = {
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2,
     "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1,
 }  # fmt: skip
 _RAW = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64,
-        **{name: np.uint8 for name in FP8_DTYPES}}  # fmt: skip
+        **{name: np.uint8 for name in (*FP8_DTYPES, "float8_e8m0fnu")}}  # E8M0: scales only
 
 
 def _checked_numel(shape: Any, where: str) -> tuple[tuple[int, ...], int]:

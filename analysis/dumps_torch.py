@@ -39,7 +39,7 @@ def _torch_reader(t: Any, dtype: str, mmapped: bool):
 
     if dtype == "bfloat16":
         t = t.view(torch.int16)  # same element size: works for any strides
-    elif dtype in FP8_DTYPES:
+    elif dtype in FP8_DTYPES or dtype == "float8_e8m0fnu":
         t = t.view(torch.uint8)  # the codes
     if not t.is_contiguous():
         arr = t.numpy()  # a strided view of the storage, no copy
@@ -276,7 +276,7 @@ def open_pt(path: str) -> Dump:
         reader = None
         if dtype in FLOAT_DTYPES and t.device.type == "meta":
             reader = _legacy_reader(path, t, dtype, offsets)
-        elif dtype in FLOAT_DTYPES:
+        elif dtype in _RAW:  # the float dtypes, and E8M0 (codes read only as companion scales)
             reader = _torch_reader(t, dtype, mmapped)
         tensors.append(TensorSource(name, path, tuple(t.shape), dtype, reader))
     return Dump(path, "pt", tensors, skipped)

@@ -150,7 +150,7 @@ def test_block_from_config_json_and_override(tmp_path):
     np.testing.assert_array_equal(t["w"].read_all(), torch_dequant_blocks(q, s, 64, 32))
     # --fp8-block wins over config.json: 32x128 does not fit the (2, 4) grid
     rc, _, err = analyze(tmp_path, "--fp8-scales", "apply", "--fp8-block", "32x128")
-    assert rc == 2 and "32x128 blocks (--fp8-block" in err
+    assert rc == 2 and "32x128 blocks [4, 1] (--fp8-block)" in err
     (tmp_path / "config.json").write_text(json.dumps(
         {"quantization_config": {"weight_block_size": [64, "32"]}}))  # fmt: skip
     rc, _, err = analyze(tmp_path, "--fp8-scales", "apply")
@@ -193,6 +193,11 @@ def test_refusals_name_the_tensors(tmp_path):
     rc, out, err = analyze(bad, good, "--fp8-scales", "apply", "--keep-going", "--json", "-")
     assert rc == 2 and [r["name"] for r in json.loads(out)["records"]] == ["v"] * 2
     assert "does not fit" in err
+    one_d = tmp_path / "oned"
+    one_d.mkdir()
+    save_file({"b": q[0].clone(), "b_scale": torch.ones(3)}, str(one_d / "m.safetensors"))
+    rc, _, err = analyze(one_d, "--fp8-scales", "apply")
+    assert rc == 2 and "b_scale shape [3] does not fit b shape [64]: a 1-D weight takes one" in err
     rc, _, err = analyze(good, "--fp8-block", "0x128")
     assert rc == 2 and "--fp8-block '0x128'" in err
 
@@ -211,3 +216,100 @@ def test_parse_block():
     for bad in ("128", "x", "0x1", "1x-2", "axb", "1x2x3", f"{2**31 + 1}x1"):
         with pytest.raises(ValueError, match="--fp8-block"):
             parse_block(bad)
+
+
+def test_stored_mode_never_refuses(tmp_path):
+    q, s = quantize_blocks(weights((64, 64), seed=8), 64, 64)
+    save_file({"w": q, "w_scale_inv": s, "w_scale": s.clone()}, str(tmp_path / "m.safetensors"))
+    rc, _, err = analyze(tmp_path)  # --fp8-scales stored: ambiguity is a note, not an error
+    assert rc == 0 and "FP8 codes analyzed as stored; w has both w_scale_inv and w_scale" in err
+
+
+def test_unrelated_files_are_not_paired_but_shards_are(tmp_path):
+    q, s = quantize_blocks(weights((128, 128), seed=9), 128, 128)
+    save_file({"w": q, "w_scale_inv": s}, str(tmp_path / "a.safetensors"))
+    save_file({"w": q.clone()}, str(tmp_path / "b.safetensors"))  # another checkpoint's w
+    t, notes, errors = scaled(tmp_path / "b.safetensors", None)
+    assert not errors and not isinstance(t["w"], ScaledSource)
+    assert "no companion" in notes[0]["note"]
+    # a shard set with an index naming the companion's shard: found though only shard 1 is given
+    sh = tmp_path / "sharded"
+    sh.mkdir()
+    save_file({"w": q}, str(sh / "model-00001-of-00003.safetensors"))
+    save_file({"x": torch.ones(2)}, str(sh / "model-00002-of-00003.safetensors"))
+    save_file({"w_scale_inv": s}, str(sh / "model-00003-of-00003.safetensors"))
+    (sh / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "w": "model-00001-of-00003.safetensors", "x": "model-00002-of-00003.safetensors",
+        "w_scale_inv": "model-00003-of-00003.safetensors"}}))  # fmt: skip
+    t, notes, errors = scaled(sh / "model-00001-of-00003.safetensors", None)
+    assert not errors and "(in " in notes[0]["note"] and "model-00003-of-00003" in notes[0]["note"]
+    np.testing.assert_array_equal(t["w"].read_all(), torch_dequant_blocks(q, s, 128, 128))
+    # an index that points outside the directory is not followed
+    (sh / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "w_scale_inv": "../a.safetensors"}}))  # fmt: skip
+    t, notes, _ = scaled(sh / "model-00001-of-00003.safetensors", None)
+    assert not isinstance(t["w"], ScaledSource) and "no companion" in notes[0]["note"]
+
+
+def test_compressed_tensors_block_and_group_configs(tmp_path):
+    w = weights((200, 200), seed=10)
+    q, s = quantize_blocks(w, 100, 100)  # grid (2, 2): the 128x128 default would fit too
+    save_file({"l.weight": q, "l.weight_scale": s}, str(tmp_path / "m.safetensors"))
+    cfg = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+        "group_0": {"weights": {"strategy": "block", "block_structure": [100, 100]}}}}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    t, notes, errors = scaled(tmp_path / "m.safetensors", None)
+    assert not errors and "100x100 block scales (config.json)" in notes[0]["note"]
+    np.testing.assert_array_equal(t["l.weight"].read_all(), torch_dequant_blocks(q, s, 100, 100))
+    qg, sg = quantize_blocks(w, 1, 40)  # group_size 40: scales (200, 5)
+    save_file({"l.weight": qg, "l.weight_scale": sg}, str(tmp_path / "m.safetensors"))
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"] = {"strategy": "group",
+                                                                         "group_size": 40}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    t, _, errors = scaled(tmp_path / "m.safetensors", None)
+    assert not errors
+    np.testing.assert_array_equal(t["l.weight"].read_all(), torch_dequant_blocks(qg, sg, 1, 40))
+    cfg["quantization_config"]["weight_block_size"] = [128, 128]  # two shapes: no guessing
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    _, _, errors = scaled(tmp_path / "m.safetensors", None)
+    assert errors and "declares block shapes 1x40, 128x128: give --fp8-block" in errors[0]
+
+
+def test_e8m0_float64_and_bad_scale_values(tmp_path):
+    q, _ = quantize_blocks(weights((128, 256), seed=11), 128, 128)
+    e8 = torch.tensor([[120, 130]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2**-7, 2**3
+    s64 = torch.tensor([[0.1, 3.0]], dtype=torch.float64)
+    bad = torch.tensor([[float("nan"), -1.0]])
+    save_file({"a": q, "a_scale_inv": e8, "b": q.clone(), "b_scale_inv": s64, "c": q.clone(),
+               "c_scale_inv": bad}, str(tmp_path / "m.safetensors"))  # fmt: skip
+    torch.save({"a": q, "a_scale_inv": e8}, tmp_path / "m.pt")
+    for f in ("m.safetensors", "m.pt"):
+        t, notes, errors = scaled(tmp_path / f, None)
+        assert not errors
+        np.testing.assert_array_equal(t["a"].read_all(),
+                                      torch_dequant_blocks(q, e8.float(), 128, 128))  # fmt: skip
+    b = scaled(tmp_path / "m.safetensors", None)[0]["b"].read_all()
+    assert b.dtype == np.float64  # as torch computes q.float() * s64
+    ref = (q.double() * s64.repeat_interleave(128, 0).repeat_interleave(128, 1)).numpy()
+    np.testing.assert_array_equal(b, ref)
+    _, notes, _ = scaled(tmp_path / "m.safetensors", None)
+    c_note = next(n["note"] for n in notes if n["name"] == "c")
+    assert "it holds 1 NaN/inf and 1 zero or negative scales" in c_note
+    # E8M0 tensors are not analyzed on their own: listed as skipped
+    save_file({"z": e8}, str(tmp_path / "z.safetensors"))
+    rc, _, err = analyze(tmp_path / "z.safetensors")
+    assert rc == 0 and "z: skipped: float8_e8m0fnu tensor" in err
+
+
+def test_keep_going_leaves_companions_of_bad_files(tmp_path):
+    q, s = quantize_blocks(weights((128, 128), seed=12), 128, 128)
+    save_file({"v": q, "w": q.clone(), "w_scale_inv": torch.ones(3)},
+              str(tmp_path / "m-00001-of-00002.safetensors"))  # fmt: skip
+    save_file({"v_scale_inv": s}, str(tmp_path / "m-00002-of-00002.safetensors"))
+    rc, out, err = analyze(tmp_path, "--fp8-scales", "apply", "--keep-going", "--format", "e4m3",
+                           "--json", "-")  # fmt: skip
+    doc = json.loads(out)
+    assert rc == 2 and [r["name"] for r in doc["records"]] == ["v_scale_inv"]
+    assert not any("dequantized" in n["note"] for n in doc["notes"])
+    rc, _, err = analyze(tmp_path / "m-00001-of-00002.safetensors", "--fp8-scales", "apply")
+    assert rc == 2 and "a 1-D" not in err and "w_scale_inv shape [3] does not fit" in err
