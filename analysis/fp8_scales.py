@@ -24,17 +24,18 @@ experts, must be the scale's leading dimensions too):
   else what the checkpoint's ``config.json`` (in the weight's directory) declares --
   ``quantization_config.weight_block_size`` (FineGrainedFP8), or the compressed-tensors
   ``config_groups.*.weights`` ``block_structure`` (strategy ``block``) or ``group_size``
-  (strategy ``group``: 1 x G) -- else 128 x 128.
+  (strategy ``group``: 1 x G); of several declared shapes, the one whose grid is the scale's
+  shape -- else 128 x 128.
 
 Refused, in one line naming both tensors (the weight's file counts as bad, exit 2): a shape that
-fits none of these, a companion that is not a float tensor (float16/bfloat16/float32/float64,
-an FP8 format or E8M0), both spellings at once, a companion found in several files, a config.json
-that declares several block shapes (``--fp8-block`` chooses). Companion entries a dump could not
-read as tensors are named with their reason.
+fits none of these (or several declared block shapes), a companion that is not a float tensor
+(float16/bfloat16/float32/float64, an FP8 format or E8M0), both spellings at once, a companion
+found in several files, an index naming a file that is not in its directory. Companion entries a
+dump could not read as tensors are named with their reason.
 
 Values: ``decode(code) * scale`` computed as torch's ``q.float() * s`` computes it: in float32,
 rounded to nearest even, for float32/bfloat16/float16/FP8/E8M0 scales; in float64 for float64
-scales. Scales that are NaN, inf, zero or negative are applied as they are, and the note counts
+scales with a dimension (a 0-dim float64 scale is cast to float32, as torch does). Scales that are NaN, inf, zero or negative are applied as they are, and the note counts
 them.
 
 With ``--fp8-scales stored`` (the default) nothing is applied or refused: the FP8 codes are
@@ -43,27 +44,22 @@ analyzed as the values they encode, and each FP8 tensor that has a companion get
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from analysis.dumps import FLOAT_DTYPES, FP8_DTYPES, Dump, TensorSource, open_dump
+from analysis.dumps import FLOAT_DTYPES, FP8_DTYPES, Dump, TensorSource
+from analysis.fp8_companions import SCALE_SUFFIXES, CompanionFinder, config_blocks
 
 __all__ = ["SCALE_SUFFIXES", "DEFAULT_BLOCK", "parse_block", "link_fp8_scales", "ScaledSource"]
 
-#: companion-name suffixes (both are multipliers)
-SCALE_SUFFIXES = ("_scale_inv", "_scale")
 #: block shape when neither --fp8-block nor a config.json gives one
 DEFAULT_BLOCK = (128, 128)
 _MAX_BLOCK = 1 << 31
-_SHARD = re.compile(r"^(?P<prefix>.+)-(?P<k>\d+)-of-(?P<total>\d+)\.(?P<ext>safetensors|bin)$")
 _E8M0 = "float8_e8m0fnu"
-_MAX_CONFIG = 64 << 20  # bytes of a config.json read (a model config is a few KiB)
 
 
 def parse_block(spec: str, where: str = "--fp8-block") -> tuple[int, int]:
@@ -76,53 +72,6 @@ def parse_block(spec: str, where: str = "--fp8-block") -> tuple[int, int]:
     if not (1 <= r <= _MAX_BLOCK and 1 <= c <= _MAX_BLOCK):
         raise ValueError(f"{where} {spec!r}: expected RxC with 1 <= R, C <= 2**31 (e.g. 128x128)")
     return r, c
-
-
-def _positive_ints(v: Any, n: int) -> bool:
-    return (isinstance(v, list) and len(v) == n and all(
-        isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= _MAX_BLOCK for x in v))  # fmt: skip
-
-
-def config_blocks(directory: str) -> tuple[list[tuple[int, int]], str]:
-    """(block shapes that ``directory/config.json`` declares, a remark). No config.json, or one
-    without a quantization config: ([], ""); one that cannot be read or parsed: ([], why). A
-    declaration that is present but malformed raises ValueError naming the file."""
-    path = os.path.join(directory, "config.json")
-    try:
-        with open(path, "rb") as f:
-            text = f.read(_MAX_CONFIG + 1)
-        if len(text) > _MAX_CONFIG:
-            return [], f"config.json not read (over {_MAX_CONFIG >> 20} MiB)"
-        cfg = json.loads(text)
-    except FileNotFoundError:
-        return [], ""
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        return [], f"config.json unreadable: {str(exc).splitlines()[0] if str(exc) else exc}"
-    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-    if not isinstance(q, dict):
-        return [], ""
-    found: list[tuple[int, int]] = []
-    if "weight_block_size" in q:
-        if not _positive_ints(q["weight_block_size"], 2):
-            raise ValueError(f"{path}: quantization_config.weight_block_size "
-                             f"{q['weight_block_size']!r} is not two positive ints "
-                             "(give --fp8-block RxC)")  # fmt: skip
-        found.append(tuple(q["weight_block_size"]))
-    groups = q.get("config_groups")
-    for gname, g in groups.items() if isinstance(groups, dict) else ():
-        w = g.get("weights") if isinstance(g, dict) else None
-        strategy = w.get("strategy") if isinstance(w, dict) else None
-        if strategy == "block":
-            if not _positive_ints(w.get("block_structure"), 2):
-                raise ValueError(f"{path}: config_groups.{gname}.weights.block_structure "
-                                 f"{w.get('block_structure')!r} is not two positive ints")  # fmt: skip
-            found.append(tuple(w["block_structure"]))
-        elif strategy == "group":
-            if not _positive_ints([w.get("group_size")], 1):
-                raise ValueError(f"{path}: config_groups.{gname}.weights.group_size "
-                                 f"{w.get('group_size')!r} is not a positive int")  # fmt: skip
-            found.append((1, w["group_size"]))
-    return sorted(set(found)), ""
 
 
 @dataclass
@@ -150,29 +99,33 @@ class ScaledSource(TensorSource):
         return codes * self._scales(max(0, int(start)), codes.size)
 
     def _scales(self, start: int, size: int) -> np.ndarray:
-        """The scale of each element ``start .. start + size - 1``: the chunk is a run of row
-        pieces, each a run of column groups, so the per-element scales are ``np.repeat`` of one
-        value per (row, column group) piece (no per-element index arithmetic)."""
+        """The scale of each element ``start .. start + size - 1``. The chunk is a run of row
+        pieces, each a run of column-group pieces: the per-element scales are ``np.repeat`` of
+        one value per piece, the pieces counted from the columns each row piece covers (work
+        and memory in proportion to the chunk, not to the width of its rows)."""
         m, n = (self.shape[-2], self.shape[-1]) if len(self.shape) >= 2 else (1, self.shape[-1])
         r, c = self.block
         r0, r1 = start // n, (start + size - 1) // n  # rows over the leading dims: lead * m + i
         rows = np.arange(r0, r1 + 1, dtype=np.int64)
         lead, i = np.divmod(rows, m)
         grid_rows = lead * (-(-m // r)) + i // r
-        g_lo = np.arange(0, n, c, dtype=np.int64)  # each column group's first and end column
-        g_hi = np.minimum(g_lo + c, n)
-        lo = np.zeros(rows.size, np.int64)
+        lo = np.zeros(rows.size, np.int64)  # the columns [lo, hi) of each row in the chunk
         hi = np.full(rows.size, n, np.int64)
         lo[0] = start - r0 * n
         hi[-1] = start + size - r1 * n
-        counts = np.clip(np.minimum(g_hi, hi[:, None]) - np.maximum(g_lo, lo[:, None]), 0, None)
-        return np.repeat(self.scale[grid_rows].reshape(-1), counts.reshape(-1))
+        first, end = lo // c, -(-hi // c)  # the column groups each row piece touches
+        per_row = end - first
+        row = np.repeat(np.arange(rows.size), per_row)
+        group = first[row] + np.arange(row.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+        counts = np.minimum((group + 1) * c, hi[row]) - np.maximum(group * c, lo[row])
+        return np.repeat(self.scale[grid_rows[row], group], counts)
 
 
-def _scale_kind(w_shape: tuple[int, ...], s_shape: tuple[int, ...], block_of: Callable[[], Any]):
+def _scale_kind(w_shape: tuple[int, ...], s_shape: tuple[int, ...], blocks_of: Callable[[], Any]):
     """(kind, block, origin) of a scale of shape ``s_shape`` on a weight of ``w_shape``, or
-    (None, why) when it fits no grouping; ``block_of()`` gives (block, origin) and is asked
-    only for block scales."""
+    (None, why) when it fits no grouping. ``blocks_of()`` gives the candidate (block, origin)
+    pairs, asked only for block scales: the one whose grid is ``s_shape`` is taken; none or
+    several is (None, why)."""
     if math.prod(s_shape) == 1:
         return "tensor", (1, 1), ""
     if len(w_shape) < 2:
@@ -180,88 +133,30 @@ def _scale_kind(w_shape: tuple[int, ...], s_shape: tuple[int, ...], block_of: Ca
     lead, (m, n) = w_shape[:-2], w_shape[-2:]
     if s_shape in (lead + (m,), lead + (m, 1)):
         return "row", (1, n), ""
-    (r, c), origin = block_of()
-    if s_shape == lead + (-(-m // r), -(-n // c)):
-        return "block", (r, c), origin
+    candidates = blocks_of()
+    grids = [lead + (-(-m // r), -(-n // c)) for (r, c), _ in candidates]
+    fits = [cand for cand, g in zip(candidates, grids) if g == s_shape]
+    if len(fits) == 1:
+        return "block", fits[0][0], fits[0][1]
+    origin = candidates[0][1]
     hint = origin if origin == "--fp8-block" else f"{origin}; --fp8-block RxC sets it"
-    return None, (f"expected one element, one per row {list(lead + (m,))}, or {r}x{c} blocks "
-                  f"{list(lead + (-(-m // r), -(-n // c)))} ({hint})")  # fmt: skip
+    shown = ", ".join(f"{r}x{c} blocks {list(g)}" for ((r, c), _), g in zip(candidates, grids))
+    if fits:
+        return None, f"it fits several block shapes ({shown}; {hint})"
+    return None, f"expected one element, one per row {list(lead + (m,))}, or {shown} ({hint})"
 
 
 def _scale_values(comp: TensorSource) -> np.ndarray:
-    """The companion's values, float32 (float64 for a float64 companion), in its shape."""
+    """The companion's values, float32 (float64 for a float64 companion with a dimension), in
+    its shape."""
     if comp.dtype == _E8M0:
         from fp8sim.emulator import decode_table
 
         codes = np.asarray(comp._read_raw(0, comp.numel)).view(np.uint8)
         return decode_table("e8m0", np.float32)[codes].reshape(comp.shape)
     v = comp.read_all()
-    return v if v.dtype == np.float64 else v.astype(np.float32)
-
-
-class _Finder:
-    """Companions of FP8 tensors: in the weight's file, then in its shard set (see the module
-    docstring). Files are keyed by real path (a file given twice is one file)."""
-
-    def __init__(self, files: list[Dump]):
-        self.opened: dict[str, Dump | None] = {}
-        for d in files:
-            self.opened.setdefault(os.path.realpath(d.path), d)
-
-    def _dump(self, path: str) -> Dump | None:
-        key = os.path.realpath(path)
-        if key not in self.opened:
-            try:
-                self.opened[key] = open_dump(path)
-            except ValueError:
-                self.opened[key] = None  # a bad sibling shard: it says so when given itself
-        return self.opened[key]
-
-    def _shard_files(self, path: str, names: list[str]) -> list[str]:
-        """Other files of ``path``'s shard set that may hold one of ``names``."""
-        d, base = os.path.split(os.path.realpath(path))
-        m = _SHARD.match(base)
-        if m is None:
-            return []
-        index = os.path.join(d, f"{m['prefix']}.{m['ext']}.index.json")
-        try:
-            with open(index, "rb") as f:
-                wmap = json.loads(f.read()).get("weight_map")
-            if isinstance(wmap, dict):
-                named = {wmap[n] for n in names if isinstance(wmap.get(n), str)}
-                # a bare file name of this directory (the index is untrusted: no paths)
-                return [os.path.join(d, f) for f in sorted(named) if os.path.basename(f) == f != base]
-        except (OSError, ValueError, UnicodeDecodeError, AttributeError):
-            pass
-        out = []
-        for f in sorted(os.listdir(d)):
-            s = _SHARD.match(f)
-            same_set = s and (s["prefix"], s["total"], s["ext"]) == (m["prefix"], m["total"], m["ext"])
-            if same_set and f != base:
-                out.append(os.path.join(d, f))
-        return out
-
-    def find(self, src: TensorSource, dump: Dump):
-        """(owner dump, companion source, or (name, reason) of an entry its dump skipped), or
-        None. Raises ValueError for both spellings or a companion in several files."""
-        names = [src.name + sfx for sfx in SCALE_SUFFIXES]
-        for pool in ([dump], None):
-            if pool is None:
-                pool = [x for x in map(self._dump, self._shard_files(dump.path, names)) if x]
-            hits = []
-            for d in pool:
-                hits += [(d, t) for t in d.tensors if t.name in names]
-                hits += [(d, s) for s in d.skipped if s[0] in names]
-            spelled = {h[1].name if isinstance(h[1], TensorSource) else h[1][0] for h in hits}
-            if len(spelled) > 1:
-                raise ValueError(f"{src.file}: {src.name} has both {names[0]} and {names[1]}: "
-                                 "which one dequantizes it is ambiguous")  # fmt: skip
-            if len(hits) > 1:
-                raise ValueError(f"{src.file}: {src.name}: its companion {spelled.pop()} is in "
-                                 f"several files ({', '.join(d.path for d, _ in hits)})")  # fmt: skip
-            if hits:
-                return hits[0]
-        return None
+    # torch's q.float() * s: float64 for a float64 scale, but a 0-dim one is cast to float32
+    return v if v.dtype == np.float64 and comp.shape != () else v.astype(np.float32)
 
 
 def link_fp8_scales(dumps: list[Dump], mode: str, block: tuple[int, int] | None,
@@ -280,7 +175,7 @@ def link_fp8_scales(dumps: list[Dump], mode: str, block: tuple[int, int] | None,
     if mode not in ("stored", "apply"):
         raise ValueError(f"--fp8-scales {mode!r}: valid: stored, apply")
     files = [d for d in dumps if d.trace is None]
-    finder = _Finder(files)
+    finder = CompanionFinder(files)
     configs: dict[str, tuple[list[tuple[int, int]], str]] = {}
     notes: list[dict] = []
     taken: list[tuple[Dump, TensorSource]] = []
@@ -294,6 +189,9 @@ def link_fp8_scales(dumps: list[Dump], mode: str, block: tuple[int, int] | None,
             continue
         notes += dump_notes
         taken += dump_taken
+    # a companion taken is not analyzed: no note of its own either (an FP8 companion's)
+    names_taken = {(owner.path, comp.name) for owner, comp in taken}
+    notes = [n for n in notes if (n["file"], n["name"]) not in names_taken]
     gone = {id(comp) for _, comp in taken}
     for owner in {id(o): o for o, _ in taken}.values():
         owner.tensors = [t for t in owner.tensors if id(t) not in gone]
@@ -301,7 +199,7 @@ def link_fp8_scales(dumps: list[Dump], mode: str, block: tuple[int, int] | None,
     return notes
 
 
-def _link_dump(dump: Dump, mode: str, block, finder: _Finder, configs: dict):
+def _link_dump(dump: Dump, mode: str, block, finder: CompanionFinder, configs: dict):
     """:func:`link_fp8_scales` for one file: (notes, [(owner, companion taken)])."""
     notes, taken = [], []
 
@@ -315,15 +213,17 @@ def _link_dump(dump: Dump, mode: str, block, finder: _Finder, configs: dict):
             try:
                 found = finder.find(src, dump)
             except ValueError as exc:
-                msg = str(exc)
-                note(src, "FP8 codes analyzed as stored; " + msg.removeprefix(f"{src.file}: "))
+                note(src, f"FP8 codes analyzed as stored; it {exc}")
                 continue
             if found is not None:
                 cname = found[1].name if isinstance(found[1], TensorSource) else found[1][0]
                 note(src, f"FP8 codes analyzed as stored; its companion {cname} was not applied "
                           "(--fp8-scales apply analyzes the dequantized values)")  # fmt: skip
             continue
-        found = finder.find(src, dump)
+        try:
+            found = finder.find(src, dump)
+        except ValueError as exc:
+            raise ValueError(f"{src.file}: {src.name} {exc}") from None
         if found is None:
             note(src, f"FP8 codes analyzed as stored (no companion {src.name}_scale_inv or "
                       f"{src.name}_scale)")  # fmt: skip
@@ -336,22 +236,18 @@ def _link_dump(dump: Dump, mode: str, block, finder: _Finder, configs: dict):
             raise ValueError(f"{comp.file}: {comp.name} (companion of {src.name}) has dtype "
                              f"{comp.dtype}; a scale must be a float, FP8 or E8M0 tensor")  # fmt: skip
 
-        def block_of():
+        def blocks_of():
             if block is not None:
-                return block, "--fp8-block"
+                return [(block, "--fp8-block")]
             d = os.path.dirname(os.path.abspath(dump.path))
             if d not in configs:
                 configs[d] = config_blocks(d)
-            found_blocks, remark = configs[d]
-            if len(found_blocks) > 1:
-                shapes = ", ".join(f"{r}x{c}" for r, c in found_blocks)
-                raise ValueError(f"{os.path.join(d, 'config.json')} declares block shapes "
-                                 f"{shapes}: give --fp8-block RxC")  # fmt: skip
-            if found_blocks:
-                return found_blocks[0], "config.json"
-            return DEFAULT_BLOCK, "default" + (f"; {remark}" if remark else "")
+            declared, remark = configs[d]
+            if declared:
+                return [(b, "config.json") for b in declared]
+            return [(DEFAULT_BLOCK, "default" + (f"; {remark}" if remark else ""))]
 
-        kind, *rest = _scale_kind(tuple(src.shape), tuple(comp.shape), block_of)
+        kind, *rest = _scale_kind(tuple(src.shape), tuple(comp.shape), blocks_of)
         if kind is None:
             raise ValueError(f"{comp.file}: {comp.name} shape {list(comp.shape)} does not fit "
                              f"{src.name} shape {list(src.shape)}: {rest[0]}")  # fmt: skip
@@ -359,14 +255,15 @@ def _link_dump(dump: Dump, mode: str, block, finder: _Finder, configs: dict):
         values = _scale_values(comp)
         what = {"tensor": "one scale for the tensor", "row": "one scale per row",
                 "block": f"{blk[0]}x{blk[1]} block scales ({origin})"}[kind]  # fmt: skip
-        if kind == "row" and len(comp.shape) == len(src.shape) - 1 and src.shape[-1] == src.shape[-2]:
+        if kind == "row" and len(comp.shape) < len(src.shape) and src.shape[-1] == src.shape[-2]:
             what += ", a 1-D scale on a square weight read as per row"
         where = "" if owner is dump else f" (in {owner.path})"
         n_bad = int((~np.isfinite(values)).sum())
         n_nonpos = int((values <= 0).sum())
         if n_bad or n_nonpos:
             what += f"; it holds {n_bad} NaN/inf and {n_nonpos} zero or negative scales"
-        grid = values.reshape(-1, values.shape[-1] if kind == "block" else 1)  # (grid rows, column groups)
+        # (grid rows, column groups): rows over the leading dims
+        grid = values.reshape(-1, values.shape[-1] if kind == "block" else 1)
         dump.tensors[k] = ScaledSource(
             src.name, src.file, src.shape, src.dtype, src._read_raw, base=src, scale=grid, kind=kind,
             block=blk, scale_name=comp.name, described=f"{comp.name}{where}: {what}",

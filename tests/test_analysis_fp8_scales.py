@@ -222,7 +222,7 @@ def test_stored_mode_never_refuses(tmp_path):
     q, s = quantize_blocks(weights((64, 64), seed=8), 64, 64)
     save_file({"w": q, "w_scale_inv": s, "w_scale": s.clone()}, str(tmp_path / "m.safetensors"))
     rc, _, err = analyze(tmp_path)  # --fp8-scales stored: ambiguity is a note, not an error
-    assert rc == 0 and "FP8 codes analyzed as stored; w has both w_scale_inv and w_scale" in err
+    assert rc == 0 and "FP8 codes analyzed as stored; it has both w_scale_inv and w_scale" in err
 
 
 def test_unrelated_files_are_not_paired_but_shards_are(tmp_path):
@@ -244,11 +244,11 @@ def test_unrelated_files_are_not_paired_but_shards_are(tmp_path):
     t, notes, errors = scaled(sh / "model-00001-of-00003.safetensors", None)
     assert not errors and "(in " in notes[0]["note"] and "model-00003-of-00003" in notes[0]["note"]
     np.testing.assert_array_equal(t["w"].read_all(), torch_dequant_blocks(q, s, 128, 128))
-    # an index that points outside the directory is not followed
+    # an index that points outside the directory is not followed: the weight's file is refused
     (sh / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "w_scale_inv": "../a.safetensors"}}))  # fmt: skip
-    t, notes, _ = scaled(sh / "model-00001-of-00003.safetensors", None)
-    assert not isinstance(t["w"], ScaledSource) and "no companion" in notes[0]["note"]
+    t, notes, errors = scaled(sh / "model-00001-of-00003.safetensors", None)
+    assert not t and "'../a.safetensors' by" in errors[0] and "not a file of that directory" in errors[0]
 
 
 def test_compressed_tensors_block_and_group_configs(tmp_path):
@@ -269,10 +269,16 @@ def test_compressed_tensors_block_and_group_configs(tmp_path):
     t, _, errors = scaled(tmp_path / "m.safetensors", None)
     assert not errors
     np.testing.assert_array_equal(t["l.weight"].read_all(), torch_dequant_blocks(qg, sg, 1, 40))
-    cfg["quantization_config"]["weight_block_size"] = [128, 128]  # two shapes: no guessing
+    cfg["quantization_config"]["weight_block_size"] = [128, 128]  # two shapes: the one that fits
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    t, notes, errors = scaled(tmp_path / "m.safetensors", None)
+    assert not errors and "1x40 block scales (config.json)" in notes[0]["note"]
+    save_file({"l.weight": q, "l.weight_scale": s}, str(tmp_path / "m.safetensors"))
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"] = {
+        "strategy": "block", "block_structure": [100, 100]}  # and 128x128: both give a (2, 2) grid
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     _, _, errors = scaled(tmp_path / "m.safetensors", None)
-    assert errors and "declares block shapes 1x40, 128x128: give --fp8-block" in errors[0]
+    assert errors and "it fits several block shapes (100x100 blocks [2, 2], 128x128" in errors[0]
 
 
 def test_e8m0_float64_and_bad_scale_values(tmp_path):
@@ -313,3 +319,76 @@ def test_keep_going_leaves_companions_of_bad_files(tmp_path):
     assert not any("dequantized" in n["note"] for n in doc["notes"])
     rc, _, err = analyze(tmp_path / "m-00001-of-00002.safetensors", "--fp8-scales", "apply")
     assert rc == 2 and "a 1-D" not in err and "w_scale_inv shape [3] does not fit" in err
+
+
+def test_hugging_face_cache_symlinks_and_bad_indexes(tmp_path):
+    q, s = quantize_blocks(weights((256, 128), seed=13), 128, 128)  # a (2, 1) grid
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    save_file({"w": q}, str(blobs / "aaa"))
+    save_file({"w_scale_inv": s}, str(blobs / "bbb"))
+    (blobs / "ccc").write_text(json.dumps({"weight_map": {
+        "w": "model-00001-of-00002.safetensors", "w_scale_inv": "model-00002-of-00002.safetensors"}}))  # fmt: skip
+    for name, blob in (("model-00001-of-00002.safetensors", "aaa"),
+                       ("model-00002-of-00002.safetensors", "bbb"), ("model.safetensors.index.json", "ccc")):  # fmt: skip
+        (snap / name).symlink_to(blobs / blob)
+    rc, out, err = analyze(snap, "--fp8-scales", "apply", "--format", "e4m3", "--json", "-")
+    assert rc == 0 and [r["name"] for r in json.loads(out)["records"]] == ["w"]
+    assert "dequantized with w_scale_inv (in " in err
+    # an index nested too deeply for the parser is malformed: the shard set is searched instead
+    (snap / "model.safetensors.index.json").unlink()
+    (snap / "model.safetensors.index.json").write_text("[" * 100_000)
+    rc, _, err = analyze(snap / "model-00001-of-00002.safetensors", "--fp8-scales", "apply")
+    assert rc == 0 and "dequantized with w_scale_inv (in " in err
+    (snap / "config.json").write_text("{" * 100_000)  # unreadable config: the default block
+    rc, _, err = analyze(snap, "--fp8-scales", "apply")
+    assert rc == 0 and "128x128 block scales (default; config.json not JSON" in err
+    # an index naming a shard that is not there: refused in apply mode, a note when stored
+    (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "w_scale_inv": "model-00009-of-00002.safetensors"}}))  # fmt: skip
+    rc, _, err = analyze(snap / "model-00001-of-00002.safetensors", "--fp8-scales", "apply")
+    assert rc == 2 and "w has its companion in 'model-00009-of-00002.safetensors' by" in err
+    rc, _, err = analyze(snap / "model-00001-of-00002.safetensors")
+    assert rc == 0 and "FP8 codes analyzed as stored; it has its companion in" in err
+
+
+def test_several_declared_shapes_string_blocks_and_fp8_companions(tmp_path):
+    w = weights((256, 256), seed=14)
+    qb, sb = quantize_blocks(w, 128, 128)
+    qg, sg = quantize_blocks(w, 1, 128)
+    s8 = (sg * 64).to(torch.float8_e4m3fn)  # an FP8 companion (decoded exactly)
+    save_file({"q.weight": qb, "q.weight_scale": sb, "lm_head.weight": qg, "lm_head.weight_scale": sg,
+               "o.weight": qg.clone(), "o.weight_scale": s8}, str(tmp_path / "model.safetensors"))  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"config_groups": {
+        "g0": {"weights": {"strategy": "block", "block_structure": "128x128"}},
+        "g1": {"weights": {"strategy": "group", "group_size": 128}}}}}))  # fmt: skip
+    t, notes, errors = scaled(tmp_path / "model.safetensors", None)
+    assert not errors
+    np.testing.assert_array_equal(t["q.weight"].read_all(), torch_dequant_blocks(qb, sb, 128, 128))
+    np.testing.assert_array_equal(t["lm_head.weight"].read_all(), torch_dequant_blocks(qg, sg, 1, 128))
+    np.testing.assert_array_equal(t["o.weight"].read_all(), torch_dequant_blocks(qg, s8, 1, 128))
+    assert sorted(t) == ["lm_head.weight", "o.weight", "q.weight"]
+    assert not any(n["name"] == "o.weight_scale" for n in notes)  # taken: no note of its own
+
+
+def test_zero_dim_float64_scale_and_long_rows(tmp_path):
+    import tracemalloc
+
+    q, _ = quantize_blocks(weights((8, 64), seed=15), 8, 64)
+    s0 = torch.tensor(0.1, dtype=torch.float64)
+    row = (torch.randn(1, 1 << 22) * 100).to(torch.float8_e4m3fn)
+    srow = torch.rand(1, 1 << 22) + 0.5  # 1x1 blocks: one scale per element
+    save_file({"w": q, "w_scale": s0, "r": row, "r_scale_inv": srow}, str(tmp_path / "m.safetensors"))
+    t, _, errors = scaled(tmp_path / "m.safetensors", None, block=(1, 1))
+    assert not errors
+    w = t["w"].read_all()
+    ref = (q.float() * s0).numpy()  # torch keeps float32 for a 0-dim scale
+    assert w.dtype == ref.dtype == np.float32
+    np.testing.assert_array_equal(w, ref)
+    tracemalloc.start()
+    part = t["r"].read(3_000_000, 3_001_000)  # 1000 elements inside one 4M-element row
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    np.testing.assert_array_equal(part, (row.float() * srow).numpy().ravel()[3_000_000:3_001_000])
+    assert peak < 1 << 20  # in proportion to the read, not to the row (was 2 GiB for 2**26)

@@ -1,0 +1,195 @@
+"""Where an FP8 tensor's companion scale is, and which block shape a checkpoint declares: the
+lookups behind :mod:`analysis.fp8_scales` (see its docstring for the rules).
+
+Every file read here (an index, a config.json) is untrusted: read whole up to
+:data:`MAX_JSON_BYTES`, parsed with ``json``, and a file that cannot be read or parsed (too
+large, not UTF-8, too deeply nested) is treated as absent or malformed, never followed blindly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from analysis.dumps import Dump, TensorSource, open_dump
+
+__all__ = ["SCALE_SUFFIXES", "MAX_JSON_BYTES", "CompanionFinder", "config_blocks"]
+
+#: companion-name suffixes (both are multipliers)
+SCALE_SUFFIXES = ("_scale_inv", "_scale")
+#: bytes of an index or config.json read (a model's config is KiBs, an index MiBs)
+MAX_JSON_BYTES = 64 << 20
+_MAX_BLOCK = 1 << 31
+_SHARD = re.compile(r"^(?P<prefix>.+)-(?P<k>\d+)-of-(?P<total>\d+)\.(?P<ext>safetensors|bin)$")
+_BLOCK_TEXT = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+def read_json(path: str) -> tuple[Any, str]:
+    """(parsed JSON, "") or (None, why it could not be read); (None, "") if there is no file."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(MAX_JSON_BYTES + 1)
+    except FileNotFoundError:
+        return None, ""
+    except OSError as exc:
+        return None, f"cannot read ({exc.strerror or exc})"
+    if len(text) > MAX_JSON_BYTES:
+        return None, f"over {MAX_JSON_BYTES >> 20} MiB"
+    try:
+        return json.loads(text), ""
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return None, f"not JSON ({first})"
+
+
+def _block_pair(v: Any) -> tuple[int, int] | None:
+    """(R, C) from ``[R, C]`` or ``"RxC"``, both in [1, 2**31]; None otherwise."""
+    if isinstance(v, str) and _BLOCK_TEXT.match(v):
+        v = [int(g) for g in _BLOCK_TEXT.match(v).groups()]
+    if isinstance(v, list) and len(v) == 2 and all(
+        isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= _MAX_BLOCK for x in v
+    ):
+        return v[0], v[1]
+    return None
+
+
+def config_blocks(directory: str) -> tuple[list[tuple[int, int]], str]:
+    """(block shapes that ``directory/config.json`` declares, a remark): FineGrainedFP8's
+    ``quantization_config.weight_block_size``, and compressed-tensors' ``config_groups.*.weights``
+    with strategy ``block`` (``block_structure``: [R, C] or "RxC") or ``group`` (``group_size``
+    G: 1 x G). No config.json or no quantization config: ([], ""); one that cannot be read or
+    parsed: ([], why). A declaration that is present but malformed raises ValueError naming the
+    file."""
+    path = os.path.join(directory, "config.json")
+    cfg, why = read_json(path)
+    if why:
+        return [], f"config.json {why}"
+    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if not isinstance(q, dict):
+        return [], ""
+    found: list[tuple[int, int]] = []
+    hint = " (give --fp8-block RxC)"
+    if "weight_block_size" in q:
+        pair = _block_pair(q["weight_block_size"])
+        if pair is None:
+            raise ValueError(f"{path}: quantization_config.weight_block_size "
+                             f"{q['weight_block_size']!r} is not two positive ints{hint}")  # fmt: skip
+        found.append(pair)
+    groups = q.get("config_groups")
+    for gname, g in groups.items() if isinstance(groups, dict) else ():
+        w = g.get("weights") if isinstance(g, dict) else None
+        strategy = w.get("strategy") if isinstance(w, dict) else None
+        if strategy == "block":
+            pair = _block_pair(w.get("block_structure"))
+            if pair is None:
+                raise ValueError(f"{path}: config_groups.{gname}.weights.block_structure "
+                                 f"{w.get('block_structure')!r} is not two positive ints{hint}")  # fmt: skip
+            found.append(pair)
+        elif strategy == "group":
+            pair = _block_pair([1, w.get("group_size")])
+            if pair is None:
+                raise ValueError(f"{path}: config_groups.{gname}.weights.group_size "
+                                 f"{w.get('group_size')!r} is not a positive int{hint}")  # fmt: skip
+            found.append(pair)
+    return sorted(set(found)), ""
+
+
+class CompanionFinder:
+    """Companions of FP8 tensors: in the weight's file, then in its shard set.
+
+    A shard set is the files ``PREFIX-KKKKK-of-NNNNN.EXT`` of one directory (the directory and
+    name as given, or, for a symbolic link elsewhere, where it points); the set's index
+    ``PREFIX.EXT.index.json`` (its ``weight_map``) says which shard holds a name, else every
+    shard of the set is searched. Shards not among the analyzed files are opened for the lookup
+    (headers only). Files are told apart by real path: a file given twice is searched once.
+    """
+
+    def __init__(self, files: list[Dump]):
+        self._opened: dict[str, Dump | None] = {}
+        for d in files:
+            self._opened.setdefault(os.path.realpath(d.path), d)
+        self._names: dict[int, dict[str, list[Any]]] = {}
+        self._indexes: dict[str, Any] = {}
+
+    def _dump(self, path: str) -> Dump | None:
+        key = os.path.realpath(path)
+        if key not in self._opened:
+            try:
+                self._opened[key] = open_dump(path)
+            except ValueError:
+                self._opened[key] = None  # a bad shard: it says so when it is given itself
+        return self._opened[key]
+
+    def _entries(self, dump: Dump, name: str) -> list[Any]:
+        """The tensors, and the (name, reason) entries the dump skipped, called ``name``."""
+        table = self._names.get(id(dump))
+        if table is None:
+            table = self._names[id(dump)] = {}
+            for t in dump.tensors:
+                table.setdefault(t.name, []).append(t)
+            for s in dump.skipped:
+                table.setdefault(s[0], []).append(s)
+        return table.get(name, [])
+
+    def _index(self, path: str) -> dict | None:
+        """An index's weight_map (a dict of names to bare file names), None if it is absent or
+        malformed (then the whole shard set is searched). Read once."""
+        if path not in self._indexes:
+            doc, _ = read_json(path)
+            wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+            ok = isinstance(wmap, dict) and all(isinstance(v, str) for v in wmap.values())
+            self._indexes[path] = wmap if ok else None
+        return self._indexes[path]
+
+    def _shard_files(self, path: str, names: list[str]) -> list[str]:
+        """The other files of ``path``'s shard set that may hold one of ``names``."""
+        for where in (os.path.abspath(path), os.path.realpath(path)):
+            d, base = os.path.split(where)
+            m = _SHARD.match(base)
+            if m is None:
+                continue
+            index = os.path.join(d, f"{m['prefix']}.{m['ext']}.index.json")
+            wmap = self._index(index)
+            if wmap is not None:
+                named = sorted({wmap[n] for n in names if n in wmap})
+                for f in named:
+                    if os.path.basename(f) != f or not os.path.isfile(os.path.join(d, f)):
+                        raise ValueError(f"has its companion in {f!r} by {index}, which is not a "
+                                         "file of that directory")  # fmt: skip
+                return [os.path.join(d, f) for f in named if f != base]
+            key = (m["prefix"], m["total"], m["ext"])
+            siblings = [(f, _SHARD.match(f)) for f in sorted(os.listdir(d)) if f != base]
+            return [os.path.join(d, f) for f, s in siblings
+                    if s and (s["prefix"], s["total"], s["ext"]) == key]  # fmt: skip
+        return []
+
+    def find(self, src: TensorSource, dump: Dump):
+        """(owner dump, companion source or the (name, reason) its dump skipped it with), or
+        None. Raises ValueError ``"<what is wrong>"`` (no file or tensor prefix: the caller says
+        whose) for both spellings at once, or a companion in several files."""
+        names = [src.name + sfx for sfx in SCALE_SUFFIXES]
+        own = [(dump, e) for n in names for e in self._entries(dump, n)]
+        if own:
+            return self._one(own, names)
+        here = os.path.realpath(dump.path)
+        pool, seen = [], set()
+        for p in self._shard_files(dump.path, names):
+            d = self._dump(p)
+            if d is not None and id(d) not in seen and os.path.realpath(d.path) != here:
+                seen.add(id(d))
+                pool.append(d)
+        hits = [(d, e) for d in pool for n in names for e in self._entries(d, n)]
+        return self._one(hits, names) if hits else None
+
+    @staticmethod
+    def _one(hits: list, names: list[str]):
+        spelled = {e.name if isinstance(e, TensorSource) else e[0] for _, e in hits}
+        if len(spelled) > 1:
+            raise ValueError(f"has both {names[0]} and {names[1]}: which one dequantizes it is "
+                             "ambiguous")  # fmt: skip
+        if len(hits) > 1:
+            raise ValueError(f"has its companion {spelled.pop()} in several places "
+                             f"({', '.join(d.path for d, _ in hits)})")  # fmt: skip
+        return hits[0]
