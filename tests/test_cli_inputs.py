@@ -94,5 +94,13 @@ def test_out_of_memory_is_one_line_not_a_bug(capsys, monkeypatch, exc):
 
 
 def test_training_data_must_be_a_file_or_directory(capsys, tmp_path):
-    rc, _, err = run(capsys, "train", "--data", "/dev/null", "--steps", "1", "--out", tmp_path / "r")
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX)  # a socket file: neither regular nor a directory (and,
+    sock.bind(str(tmp_path / "s"))  # unlike a FIFO, opening it fails at once instead of blocking)
+    try:
+        rc, _, err = run(capsys, "train", "--data", tmp_path / "s", "--steps", "1", "--out",
+                         tmp_path / "r")  # fmt: skip
+    finally:
+        sock.close()
     assert rc == 2 and "not a regular file or a directory" in err
