@@ -119,12 +119,17 @@ def _check_json_dest(dest: str | None) -> None:
         return
     if not dest.strip():
         raise ValueError("--json: an empty path (give a file, or - for stdout)")
-    parent = os.path.dirname(os.path.abspath(dest))
-    if os.path.isdir(dest):
+    real = os.path.realpath(dest)  # a link is followed: its target is written (atomic_write)
+    parent = os.path.dirname(real)
+    if os.path.isdir(real):
         raise ValueError(f"--json {dest}: is a directory")
+    if os.path.exists(real) and not os.path.isfile(real):  # /dev/null, a FIFO: written in place
+        if not os.access(real, os.W_OK):
+            raise ValueError(f"--json {dest}: not writable")
+        return
     if not os.path.isdir(parent):
         raise ValueError(f"--json {dest}: no such directory {parent}")
-    if not os.access(parent, os.W_OK) or (os.path.exists(dest) and not os.access(dest, os.W_OK)):
+    if not os.access(parent, os.W_OK) or (os.path.exists(real) and not os.access(real, os.W_OK)):
         raise ValueError(f"--json {dest}: not writable")
 
 

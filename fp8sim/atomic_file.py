@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -10,7 +11,26 @@ __all__ = ["atomic_write"]
 
 
 def atomic_write(path: Path, write) -> None:
-    """Write through ``write(fileobj)`` to a temp file in path's directory, fsync, os.replace."""
+    """Write through ``write(fileobj)`` so that ``path`` holds either its old content or the whole
+    new one, never a part.
+
+    A regular file, or a path that does not exist yet, is written to a temporary file in its
+    directory, fsynced and renamed over it. A symbolic link is followed: the file it points to is
+    replaced and the link stays a link. An existing path that is not a regular file (a device
+    such as ``/dev/null``, a FIFO) is written in place: a rename would put a regular file where
+    the device node was (as root, ``--json /dev/null`` would have replaced ``/dev/null``).
+    """
+    path = Path(os.path.realpath(path))
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise IsADirectoryError(21, "Is a directory", str(path))
+    if mode is not None and not stat.S_ISREG(mode):
+        with open(path, "wb") as f:
+            write(f)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
