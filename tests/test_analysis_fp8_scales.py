@@ -392,3 +392,16 @@ def test_zero_dim_float64_scale_and_long_rows(tmp_path):
     tracemalloc.stop()
     np.testing.assert_array_equal(part, (row.float() * srow).numpy().ravel()[3_000_000:3_001_000])
     assert peak < 1 << 20  # in proportion to the read, not to the row (was 2 GiB for 2**26)
+
+
+def test_requantizing_with_the_checkpoint_blocks_is_near_lossless(tmp_path):
+    # the dequantized weights are e4m3 codes times one scale per 128x128 block: re-quantizing
+    # them to e4m3 over the same blocks gives back (nearly) the same values, over other blocks
+    # not -- a check of the block mapping that needs no reference values at all
+    q, s = quantize_blocks(weights((300, 200), seed=16), 128, 128)
+    save_file({"w": q, "w_scale_inv": s}, str(tmp_path / "m.safetensors"))
+    rc, out, _ = analyze(tmp_path, "--fp8-scales", "apply", "--format", "e4m3", "--scaling",
+                         "block:128x128,block:1x32", "--json", "-")  # fmt: skip
+    by = {r["scaling"]: r for r in json.loads(out)["records"]}
+    assert rc == 0 and by["block:128x128"]["overflow"] == 0
+    assert by["block:128x128"]["sqnr_db"] > 100 > by["block:1x32"]["sqnr_db"]
