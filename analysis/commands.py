@@ -133,6 +133,31 @@ def _check_json_dest(dest: str | None) -> None:
         raise ValueError(f"--json {dest}: not writable")
 
 
+def _check_json_not_an_input(dest: str | None, files: list[str] = ()) -> None:
+    """Refuse a ``--json`` destination that is one of the ``files`` read, or lies inside an
+    fp8sim trace directory: the JSON would overwrite the data it was made from."""
+    if dest is None or dest == "-":
+        return
+    from fp8sim.trace import is_trace
+
+    real = os.path.realpath(dest)
+    if any(real == os.path.realpath(f) for f in files):
+        raise ValueError(f"--json {dest}: is one of the files analyzed (it would be overwritten)")
+    d = os.path.dirname(real)
+    while True:
+        try:
+            inside = is_trace(d)
+        except ValueError:  # a damaged trace is still a trace
+            inside = True
+        if inside:
+            raise ValueError(f"--json {dest}: inside the fp8sim trace {d}, whose files it could "
+                             "overwrite; write it elsewhere")  # fmt: skip
+        parent = os.path.dirname(d)
+        if parent == d:
+            return
+        d = parent
+
+
 def _write_json(dest: str, obj: Any) -> None:
     """Strict JSON to ``dest`` ('-': stdout), written whole or not at all (a temporary file
     renamed over it: an interrupted run leaves the old file, never half a new one)."""
@@ -284,6 +309,7 @@ def run_analyze(args: argparse.Namespace) -> int:
             bad(given, exc)
     if not paths and not errors:
         raise ValueError(f"no dump files found in {', '.join(args.paths)}")
+    _check_json_not_an_input(args.json, paths)
 
     dumps = []
     for path in paths:
@@ -455,6 +481,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
     rules = parse_fail_on(args.fail_on, REPLAY_FAIL_METRICS) if args.fail_on is not None else []
     _check_json_dest(args.json)
+    _check_json_not_an_input(args.json)  # not into the trace replayed (nor any other)
     if args.allreduce is not None:
         from fp8sim.training.allreduce_sim import format_allreduce_report, replay_allreduce
 

@@ -81,3 +81,25 @@ def test_analyze_json_into_a_fifo_and_a_link(tmp_path, capsys):
     rc = cli.main(["analyze", str(src), "--format", "e4m3", "--json", str(link)])
     assert rc == 0 and link.is_symlink() and json.loads(target.read_text())["records"]
     capsys.readouterr()
+
+
+def test_json_never_overwrites_an_input(tmp_path, capsys):
+    from fp8sim.trace import TraceWriter
+
+    src = tmp_path / "a.npy"
+    np.save(src, np.ones(10, np.float32))
+    before = src.read_bytes()
+    rc = cli.main(["analyze", str(src), "--json", str(src)])
+    assert rc == 2 and src.read_bytes() == before
+    assert "is one of the files analyzed" in capsys.readouterr().err
+    rc = cli.main(["analyze", str(tmp_path), "--json", str(src)])  # found in a directory too
+    assert rc == 2 and src.read_bytes() == before
+    tr = tmp_path / "trace"
+    with TraceWriter(tr, {"model": "toy"}) as w:
+        w.add_tensor("x", "weight", "e4m3", (64,))
+        w.record(0, "x", np.linspace(-2, 2, 64, dtype=np.float32), scale=1.0)
+    meta = (tr / "trace.json").read_bytes()
+    for argv in (["analyze", str(tr)], ["replay", str(tr), "--policy", "current"]):
+        rc = cli.main([*argv, "--json", str(tr / "trace.json")])
+        assert rc == 2 and (tr / "trace.json").read_bytes() == meta
+        assert "inside the fp8sim trace" in capsys.readouterr().err
