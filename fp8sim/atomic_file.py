@@ -10,6 +10,12 @@ from pathlib import Path
 __all__ = ["atomic_write"]
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it: put it back at once
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, write) -> None:
     """Write through ``write(fileobj)`` so that ``path`` holds either its old content or the whole
     new one, never a part.
@@ -19,6 +25,7 @@ def atomic_write(path: Path, write) -> None:
     replaced and the link stays a link. An existing path that is not a regular file (a device
     such as ``/dev/null``, a FIFO) is written in place: a rename would put a regular file where
     the device node was (as root, ``--json /dev/null`` would have replaced ``/dev/null``).
+    A replaced file keeps its permissions; a new one gets ``0o666 & ~umask``, as ``open`` gives.
     """
     path = Path(os.path.realpath(path))
     try:
@@ -34,6 +41,8 @@ def atomic_write(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes 0600: give the file the old one's permissions, or open()'s for a new one
+        os.fchmod(fd, stat.S_IMODE(mode) if mode is not None else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -103,3 +103,17 @@ def test_json_never_overwrites_an_input(tmp_path, capsys):
         rc = cli.main([*argv, "--json", str(tr / "trace.json")])
         assert rc == 2 and (tr / "trace.json").read_bytes() == meta
         assert "inside the fp8sim trace" in capsys.readouterr().err
+
+
+def test_permissions_kept_or_as_open_gives(tmp_path):
+    old = tmp_path / "shared.json"
+    old.write_text("old")
+    os.chmod(old, 0o644)
+    atomic_write(old, lambda f: f.write(b"new"))
+    assert stat.S_IMODE(os.stat(old).st_mode) == 0o644 and old.read_text() == "new"
+    mask = os.umask(0o027)
+    try:
+        atomic_write(tmp_path / "fresh.json", lambda f: f.write(b"x"))
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(os.stat(tmp_path / "fresh.json").st_mode) == 0o640

@@ -160,7 +160,8 @@ def test_an_interrupted_save_leaves_no_temporary_file(tmp_path, monkeypatch):
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
-    (tmp_path / "checkpoint.pt.tmp99999").write_bytes(b"x" * 10)  # left by a killed run
+    (tmp_path / ".checkpoint.pt.k1ll3d.tmp").write_bytes(b"x" * 10)  # left by a killed save
+    (tmp_path / "checkpoint.pt.tmp-backup").write_bytes(b"mine")  # not ours: never removed
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -168,10 +169,11 @@ def test_an_interrupted_save_leaves_no_temporary_file(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.torch, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_checkpoint(tmp_path, step=1, model=model, optimizer=opt, policies=None, config={})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt.tmp99999"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.pt.k1ll3d.tmp",
+                                                          "checkpoint.pt.tmp-backup"]  # fmt: skip
     monkeypatch.undo()
     checkpoint.save_checkpoint(tmp_path, step=1, model=model, optimizer=opt, policies=None, config={})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "checkpoint.pt.tmp-backup"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
@@ -232,8 +234,10 @@ def test_killed_before_the_first_metrics_row_with_a_trace(tmp_path, capsys, corp
 
     out, trace = tmp_path / "r", tmp_path / "r" / "trace"
     args = ["--recipe", "te-delayed", "--steps", "2", "--nproc", nproc, "--out", out, "--record", trace]
+    ref = tmp_path / "ref"  # the config.json this run writes (a restart checks it is the same)
+    assert train(capsys, corpus, "--recipe", "te-delayed", "--steps", "2", "--out", ref)[0] == 0
     out.mkdir()
-    (out / "config.json").write_text("{}")
+    (out / "config.json").write_text((ref / "config.json").read_text())
     for sub in ([trace / f"rank{r}" for r in range(nproc)] if nproc > 1 else [trace]):
         TraceWriter(sub).close()  # an empty trace, as a run killed at once leaves it
     rc, _, err = train(capsys, corpus, *args)
@@ -243,3 +247,34 @@ def test_killed_before_the_first_metrics_row_with_a_trace(tmp_path, capsys, corp
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
     sub = trace / "rank0" if nproc > 1 else trace
     assert TraceReader(sub).steps().tolist() == [1, 2]
+
+
+def test_a_new_run_never_writes_into_a_directory_of_other_files(tmp_path, capsys, corpus):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "checkpoint.pt").write_text("my precious model")
+    rc, _, err = train(capsys, corpus, "--steps", "2", "--checkpoint-every", "1", "--out", out)
+    assert rc == 2 and "exists and is not empty (1 entries, e.g. 'checkpoint.pt')" in err
+    assert (out / "checkpoint.pt").read_text() == "my precious model"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt"]
+    (out / "checkpoint.pt").unlink()
+    assert train(capsys, corpus, "--steps", "2", "--out", out)[0] == 0  # empty: fine
+
+
+def test_a_restart_is_only_for_the_same_unfinished_run(tmp_path, capsys, corpus):
+    out = tmp_path / "r"
+    assert train(capsys, corpus, "--steps", "2", "--out", out)[0] == 0
+    (out / "checkpoint.pt").unlink()  # e.g. to free disk: a finished run, nothing to resume
+    metrics = (out / "metrics.jsonl").read_text()
+    rc, _, err = train(capsys, corpus, "--steps", "2", "--out", out, "--resume")
+    assert rc == 2 and "holds a finished run (run.json) whose checkpoint is gone" in err
+    (out / "run.json").unlink()
+    rc, _, err = train(capsys, corpus, "--steps", "2", "--seed", "7", "--out", out, "--resume")
+    assert rc == 2 and "holds a run of another config (differs in ['seed'])" in err
+    assert (out / "metrics.jsonl").read_text() == metrics
+    hf = tmp_path / "hf"  # a model folder: its config.json is not a run's
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["GPT2"]}')
+    rc, _, err = train(capsys, corpus, "--steps", "2", "--out", hf, "--resume")
+    assert rc == 2 and "config.json is not an fp8sim run config" in err
+    assert (hf / "config.json").read_text() == '{"architectures": ["GPT2"]}'

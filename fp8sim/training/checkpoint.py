@@ -103,9 +103,8 @@ def save_whole(payload: dict, path: Path) -> None:
     the old file and removes its temporary one), and the temporary files of saves killed outright
     (SIGKILL) before it removed."""
     atomic_write(path, lambda f: torch.save(payload, f))
-    for pattern in (f".{path.name}.*.tmp", f"{path.name}.tmp*"):  # the second: older versions
-        for stale in path.parent.glob(pattern):
-            stale.unlink(missing_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # atomic_write's own names only
+        stale.unlink(missing_ok=True)
 
 
 def load_payload(path: Path, version: int, keys: tuple[str, ...]) -> dict:

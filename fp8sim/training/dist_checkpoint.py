@@ -23,6 +23,7 @@ the trace recorder's state.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 from pathlib import Path
@@ -66,7 +67,7 @@ def save_rank_checkpoint(
         atomic_write(latest, lambda f: f.write(text.encode()))
         for old in (run / CHECKPOINT_DIR).glob("step*"):
             # only older steps: a later step's directory may already be in the making
-            if old.is_dir() and old.name[4:].isdigit() and int(old.name[4:]) < step:
+            if old.is_dir() and re.fullmatch(r"step\d{8,}", old.name) and int(old.name[4:]) < step:
                 shutil.rmtree(old, ignore_errors=True)
     return path
 

@@ -175,7 +175,7 @@ def train_distributed(
     out = Path(out_dir)
     from fp8sim.training.trainer import start_mode
 
-    mode = start_mode(out, resume, data_parallel=True)
+    mode = start_mode(out, resume, data_parallel=True, config=cfg.to_dict())
     restart, resume = mode == "restart", mode == "resume"
     if resume:
         from fp8sim.training.dist_checkpoint import latest_checkpoint
@@ -388,9 +388,11 @@ class _RankRun:
         if self.rank == 0:  # the steps after the checkpoint are run (and logged) again
             import json
 
+            from fp8sim.atomic_file import atomic_write
+
             rows = [r for r in read_metrics(self.out) if r["step"] <= self.start_step]
-            with open(self.out / "metrics.jsonl", "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+            text = "".join(json.dumps(r) + "\n" for r in rows)  # whole or not at all
+            atomic_write(self.out / "metrics.jsonl", lambda f: f.write(text.encode()))
         return ck
 
     def _autocast(self):

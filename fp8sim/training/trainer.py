@@ -220,7 +220,7 @@ class Trainer:
         )
         self.start_step = 0
         ck = None
-        mode = start_mode(self.out, resume, data_parallel=False)
+        mode = start_mode(self.out, resume, data_parallel=False, config=cfg.to_dict())
         restart = mode == "restart"
         if mode == "resume":
             ck = self._resume()
@@ -252,9 +252,14 @@ class Trainer:
         return ck
 
     def _write_metrics(self, rows: list[dict], mode: str = "a") -> None:
-        with open(self.out / "metrics.jsonl", mode) as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        """Append ``rows`` (mode "a") or replace the file with them (mode "w": whole or not at
+        all, so a failed rewrite keeps every old row)."""
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        if mode == "w":
+            atomic_write(self.out / "metrics.jsonl", lambda f: f.write(text.encode()))
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(text)
 
     def save(self, step: int) -> None:
         """Checkpoint after ``step``. The trace is flushed first, so a checkpoint never points
@@ -390,13 +395,15 @@ def _check_corpus(out: Path, ck: dict, corpus) -> None:
                          f"{ck['corpus']}, now {corpus.fingerprint}); resuming would train on other data")
 
 
-def start_mode(out: Path, resume: bool, *, data_parallel: bool) -> str:
+def start_mode(out: Path, resume: bool, *, data_parallel: bool, config: dict | None = None) -> str:
     """How a run in ``out`` starts: ``"fresh"``, ``"resume"`` (from its checkpoint) or
     ``"restart"`` (``--resume`` of a run killed before its first checkpoint: nothing to resume,
     so it starts again from step 0; said on stderr). A run has begun in ``out`` once its
-    config.json is written. Raises for an ``out`` that is a file, a fresh start over a run, a
-    resume with no run at all, and a checkpoint of the other kind (single-process vs
-    data-parallel: resuming it the wrong way would start over and lose it)."""
+    config.json is written. Raises for an ``out`` that is a file, a fresh start into a
+    directory that is not empty (a run's or anybody's files: a run would overwrite them), a
+    resume with no run at all, a checkpoint of the other kind (single-process vs data-parallel:
+    resuming it the wrong way would start over and lose it), and a restart whose config.json is
+    not ``config`` (another run's, or not a run's) or whose run finished (run.json)."""
     from fp8sim.training.dist_checkpoint import latest_checkpoint
 
     if out.exists() and not out.is_dir():
@@ -405,6 +412,10 @@ def start_mode(out: Path, resume: bool, *, data_parallel: bool) -> str:
     if not resume:
         if begun:
             raise ValueError(f"{out} already holds a run; resume it (--resume) or choose another output directory")
+        entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+        if entries:
+            raise ValueError(f"--out {out}: exists and is not empty ({len(entries)} entries, e.g. "
+                             f"{entries[0]!r}); a new run goes into a new or empty directory")  # fmt: skip
         return "fresh"
     single, info = (out / CHECKPOINT_NAME).is_file(), latest_checkpoint(out)
     if data_parallel and info is None and single:
@@ -417,8 +428,29 @@ def start_mode(out: Path, resume: bool, *, data_parallel: bool) -> str:
         return "resume"
     if not begun:
         raise FileNotFoundError(f"--resume: {out} holds no run to resume (no checkpoint, no config.json)")
+    _check_restart(out, config)
     print(f"fp8sim train: {out}: no checkpoint yet; starting again from step 0", file=sys.stderr)
     return "restart"
+
+
+def _check_restart(out: Path, config: dict | None) -> None:
+    """A restart overwrites ``out``'s metrics and config: only for the same run, unfinished."""
+    if (out / "run.json").is_file():
+        raise ValueError(f"--resume: {out} holds a finished run (run.json) whose checkpoint is gone: "
+                         "nothing to resume, and starting it again would overwrite it")  # fmt: skip
+    if config is None:
+        return
+    try:
+        old = json.loads((out / "config.json").read_text())
+    except FileNotFoundError:
+        return  # metrics.jsonl alone: a run killed before it wrote its config
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"--resume: {out}/config.json is not an fp8sim run config ({exc})") from None
+    if not isinstance(old, dict) or set(old) != set(config):
+        raise ValueError(f"--resume: {out}/config.json is not an fp8sim run config")
+    diff = sorted(k for k, v in config.items() if old.get(k) != v)
+    if diff:
+        raise ValueError(f"--resume: {out} holds a run of another config (differs in {diff})")
 
 
 def write_json(path: Path, obj: dict) -> None:
