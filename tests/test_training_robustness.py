@@ -278,3 +278,28 @@ def test_a_restart_is_only_for_the_same_unfinished_run(tmp_path, capsys, corpus)
     rc, _, err = train(capsys, corpus, "--steps", "2", "--out", hf, "--resume")
     assert rc == 2 and "config.json is not an fp8sim run config" in err
     assert (hf / "config.json").read_text() == '{"architectures": ["GPT2"]}'
+
+
+def test_outputs_never_inside_the_training_data(tmp_path, capsys, corpus):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "text.txt").write_bytes(corpus.read_bytes())
+    for opt, extra in (("--out", []), ("--record", ["--recipe", "te-delayed"])):
+        target = data / "run"
+        argv = ["train", "--data", str(data), *SMALL, "--steps", "2", *extra, "--out",
+                str(target if opt == "--out" else tmp_path / "r"), *([opt, str(target)] if opt == "--record" else [])]  # fmt: skip
+        rc = cli.main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{opt} {target}: inside the --data directory" in err
+        assert sorted(p.name for p in data.iterdir()) == ["text.txt"]
+
+
+def test_a_resume_never_appends_to_another_runs_trace(tmp_path, capsys, corpus):
+    base = ["--recipe", "te-delayed", "--steps", "4", "--checkpoint-every", "2"]
+    assert train(capsys, corpus, *base, "--out", tmp_path / "a", "--record", tmp_path / "ta")[0] == 0
+    chunks = sorted((tmp_path / "ta" / "chunks").iterdir())
+    before = [p.read_bytes() for p in chunks]
+    assert train(capsys, corpus, *base, "--out", tmp_path / "b")[0] == 0
+    rc, _, err = train(capsys, corpus, *base, "--out", tmp_path / "b", "--resume", "--record", tmp_path / "ta")
+    assert rc == 2 and "holds the trace of another run (its run_dir differs" in err
+    assert [p.read_bytes() for p in sorted((tmp_path / "ta" / "chunks").iterdir())] == before

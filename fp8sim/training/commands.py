@@ -16,6 +16,7 @@ overflow/underflow events; ``--plot`` writes ``loss_curves.png``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -106,6 +107,21 @@ def _run_distributed(args: argparse.Namespace, cfg, out: Path) -> dict | None:
     return None if env and env[0] != 0 else summary
 
 
+def _check_outside_data(data: str | None, outputs: dict) -> None:
+    """Refuse an output directory at or inside a ``--data`` directory: the run's files would
+    become training data (and change the corpus a --resume checks)."""
+    if data is None or not os.path.isdir(data):
+        return
+    root = os.path.realpath(data)
+    for opt, path in outputs.items():
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            raise ValueError(f"{opt} {path}: inside the --data directory {data}; its files would "
+                             "become training data (write it elsewhere)")  # fmt: skip
+
+
 def run_train(args: argparse.Namespace) -> int:
     from fp8sim.training.distributed import torchrun_env
     from fp8sim.training.recipes import get_recipe
@@ -116,6 +132,7 @@ def run_train(args: argparse.Namespace) -> int:
         if getattr(args, opt) is not None and not str(getattr(args, opt)).strip():
             raise ValueError(f"--{opt}: an empty path (give a directory, or leave the option out)")
     out = Path(args.out or f"runs/{cfg.recipe}-{cfg.backend}-s{cfg.seed}")
+    _check_outside_data(args.data, {"--out": out, "--record": args.record})
     r = get_recipe(cfg.recipe)
     if args.nproc != 1 or torchrun_env() or args.grad_scaling or args.fp8_grads or (
             r.optimizer, r.grad_comm, r.weight_storage) != (

@@ -82,6 +82,8 @@ class Recorder:
             "hypothetical_recipe": None if self.state is not None else recipe_name,
         }
         meta.update(config or {})
+        if append:
+            _check_same_run(self.path, meta)
         self.writer = TraceWriter(self.path, meta, mode="a" if append else "w", chunk_steps=chunk_steps)
         self.step = 0
         self._explicit = False
@@ -221,6 +223,28 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_same_run(path: Path, meta: dict) -> None:
+    """Refuse to append to (and so cut back) a trace that another run recorded: the run config,
+    run directory (as a real path), rank and world stored in its trace.json must be this run's
+    where both say."""
+    import json
+
+    try:
+        old = json.loads((path / "trace.json").read_text()).get("config", {})
+    except (OSError, ValueError, AttributeError):
+        return  # no trace yet (or not ours to judge: the writer refuses a damaged one)
+    same = {
+        "run": lambda a, b: a == json.loads(json.dumps(b)),
+        "run_dir": lambda a, b: os.path.realpath(str(a)) == os.path.realpath(str(b)),
+        "rank": lambda a, b: a == b,
+        "world": lambda a, b: a == b,
+    }
+    for key, eq in same.items():
+        if isinstance(old, dict) and key in old and key in meta and not eq(old[key], meta[key]):
+            raise ValueError(f"--record {path}: holds the trace of another run (its {key} differs: "
+                             f"{str(old[key])[:80]}); a resumed run appends only to its own trace")  # fmt: skip
 
 
 def record(model: nn.Module, path: str | os.PathLike, **kwargs) -> Recorder:
