@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     except Exception as exc:  # a bug, not bad input: its own exit code (1 means --fail-on)
+        if _interrupted(exc):  # Ctrl-C inside a numba function surfaces as a SystemError
+            print(f"fp8sim {args.command}: interrupted", file=sys.stderr)
+            return 130
         if os.environ.get("FP8SIM_DEBUG") == "1":
             raise
         msg = one_line(str(exc))
@@ -93,6 +96,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8sim {args.command}: internal error: {type(exc).__name__}: {msg} (a bug; "
               "FP8SIM_DEBUG=1 shows the traceback)", file=sys.stderr)  # fmt: skip
         return 3
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` wraps a KeyboardInterrupt (its cause or context chain)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 if __name__ == "__main__":

@@ -379,6 +379,12 @@ class TraceWriter:
         self._buf_steps = [s for s in self._buf_steps if s <= step]
         self._seq, self._last_flushed_step = truncate_trace(self.path, step)
 
+    def discard_after(self, step: int) -> None:
+        """Forget the buffered (not yet written) records of steps after ``step``: a step cut
+        short by an interruption, which a flush would otherwise write as if complete."""
+        self._buf = [r for r in self._buf if r["step"] <= step]
+        self._buf_steps = [s for s in self._buf_steps if s <= step]
+
     # -- output ----------------------------------------------------------------------------------
     def flush(self) -> None:
         """Write every buffered step (all are treated as complete) and trace.json."""

@@ -104,3 +104,17 @@ def test_training_data_must_be_a_file_or_directory(capsys, tmp_path):
     finally:
         sock.close()
     assert rc == 2 and "not a regular file or a directory" in err
+
+
+def test_an_interrupt_wrapped_by_numba_is_an_interrupt(capsys, monkeypatch):
+    from fp8sim.commands import formats as formats_cmd
+
+    def wrapped(args):  # what numba raises when Ctrl-C lands inside a compiled function
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise SystemError("CPUDispatcher returned a result with an exception set") from exc
+
+    monkeypatch.setattr(formats_cmd, "run", wrapped)
+    rc, _, err = run(capsys, "formats")
+    assert (rc, err.strip()) == (130, "fp8sim formats: interrupted")

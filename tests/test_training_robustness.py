@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -303,3 +304,24 @@ def test_a_resume_never_appends_to_another_runs_trace(tmp_path, capsys, corpus):
     rc, _, err = train(capsys, corpus, *base, "--out", tmp_path / "b", "--resume", "--record", tmp_path / "ta")
     assert rc == 2 and "holds the trace of another run (its run_dir differs" in err
     assert [p.read_bytes() for p in sorted((tmp_path / "ta" / "chunks").iterdir())] == before
+
+
+def test_an_interrupted_step_is_not_left_in_the_trace(tmp_path, capsys, corpus, monkeypatch):
+    from fp8sim.trace import TraceReader
+
+    calls = {"n": 0}
+    real_backward = torch.Tensor.backward
+
+    def backward(self, *a, **k):  # Ctrl-C in step 3's backward: its forward is recorded
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_backward(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    rc, _, err = train(capsys, corpus, "--recipe", "te-delayed", "--steps", "5", "--out",
+                       tmp_path / "r", "--record", tmp_path / "t")  # fmt: skip
+    assert rc != 0 and "interrupted" in err
+    sc = TraceReader(tmp_path / "t").scalars()
+    steps, per_step = np.unique(sc["step"], return_counts=True)
+    assert steps.tolist() == [1, 2] and per_step[0] == per_step[1]  # whole steps only

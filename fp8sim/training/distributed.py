@@ -495,9 +495,11 @@ class _RankRun:
         t_start = time.perf_counter()
         last = cfg.steps if self.opts.get("stop_after") is None else min(cfg.steps, int(self.opts["stop_after"]))
         bar.update(self.start_step)
+        done = self.start_step  # the last step whose records are whole
         try:
             for step in range(self.start_step + 1, last + 1):
                 row = self.train_step(step)
+                done = step
                 if self.rank == 0:
                     if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
                         row["val_loss"] = self.evaluate()
@@ -512,6 +514,8 @@ class _RankRun:
         finally:
             bar.close()
             if self.recorder is not None:
+                if sys.exc_info()[0] is not None:  # interrupted: a step cut short is not written
+                    self.recorder.discard_after(done)
                 if last == cfg.steps:
                     self.recorder.close()
                 else:

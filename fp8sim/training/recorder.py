@@ -205,6 +205,11 @@ class Recorder:
     def flush(self) -> None:
         self.writer.flush()
 
+    def discard_after(self, step: int) -> None:
+        """Forget the unwritten records of steps after ``step`` (a step an interruption cut
+        short: the trace keeps only whole steps)."""
+        self.writer.discard_after(step)
+
     def truncate_after(self, step: int) -> None:
         """Drop what the trace holds of steps after ``step`` (resuming from that checkpoint)."""
         self.writer.truncate_after(step)

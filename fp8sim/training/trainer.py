@@ -339,9 +339,11 @@ class Trainer:
         )
         t_start = time.perf_counter()
         row: dict = {}
+        done = self.start_step  # the last step whose records are whole
         try:
             for step in range(self.start_step + 1, last + 1):
                 row = self.train_step(step)
+                done = step
                 final = step == cfg.steps
                 if final or (cfg.eval_every and step % cfg.eval_every == 0):
                     row["val_loss"] = self.evaluate()
@@ -358,6 +360,8 @@ class Trainer:
         finally:
             bar.close()
             if self.recorder is not None and last == cfg.steps:
+                if sys.exc_info()[0] is not None:  # interrupted: a step cut short is not written
+                    self.recorder.discard_after(done)
                 self.recorder.close()
         if last < cfg.steps:
             return self.summary(wall_s=time.perf_counter() - t_start)
