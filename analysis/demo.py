@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from fp8sim.atomic_file import atomic_write
+
 __all__ = ["register", "run_demo", "run"]
 
 #: scaling policies replayed over the FP8 trace
@@ -97,6 +99,9 @@ def run_demo(
     out = Path(out)
     if (out / "runs").exists():
         raise ValueError(f"{out} already holds a demo; choose another --out or remove it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out}: exists and is not an empty directory; the demo writes "
+                         "summary.md, summary.json, analyze.json and plots/ into a new one")  # fmt: skip
     t0 = time.perf_counter()
     model = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32) if quick else GPTConfig()
     if quick:
@@ -185,7 +190,8 @@ def run_demo(
         "events": vs_bf16["events"],
         "replay": summaries,
     }
-    (out / "summary.json").write_text(json.dumps(fig, indent=2, default=str) + "\n")
+    summary_json = json.dumps(fig, indent=2, default=str) + "\n"
+    atomic_write(out / "summary.json", lambda f: f.write(summary_json.encode()))
     _write_report(out, recipe, fig, vs_bf16, backends, analyze_text, format_replay_table(summaries),
                   format_replay_table(summary_rows(replays_bf16)), loss_png)
     _msg(f"wrote {out / 'summary.md'} ({fig['wall_s']} s)")
@@ -262,7 +268,8 @@ def _write_report(out, recipe, fig, vs_bf16, backends, analyze_text, replay_tabl
         "in `runs/`, traces in `traces/`.",
         "",
     ]
-    (out / "summary.md").write_text("\n".join(lines))
+    summary_md = "\n".join(lines)
+    atomic_write(out / "summary.md", lambda f: f.write(summary_md.encode()))
 
 
 def run(args: argparse.Namespace) -> int:

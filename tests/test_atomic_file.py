@@ -117,3 +117,28 @@ def test_permissions_kept_or_as_open_gives(tmp_path):
     finally:
         os.umask(mask)
     assert stat.S_IMODE(os.stat(tmp_path / "fresh.json").st_mode) == 0o640
+
+
+def test_a_failed_plot_keeps_the_old_png(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from analysis.plots import save_png
+
+    png = tmp_path / "loss.png"
+    fig = plt.figure()
+    save_png(fig, png)
+    good = png.read_bytes()
+    assert good[:4] == b"\x89PNG"
+
+    def failing(f, **kw):
+        f.write(b"\x89PNG half")
+        raise OSError(27, "File too large")
+
+    fig.savefig = failing
+    with pytest.raises(OSError):
+        save_png(fig, png)
+    plt.close(fig)
+    assert png.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ["loss.png"]

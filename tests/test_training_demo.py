@@ -33,3 +33,13 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     for png in ("loss_curves.png", "policies.png", "underflow_recorded.png"):
         assert (out / "plots" / png).read_bytes()[:4] == b"\x89PNG"
     assert (out / "traces" / "bf16" / "trace.json").is_file() and (out / "analyze.json").is_file()
+
+
+def test_demo_never_writes_into_a_directory_of_other_files(tmp_path, capsys):
+    mine = tmp_path / "docs"
+    mine.mkdir()
+    (mine / "summary.md").write_text("# my notes")
+    assert cli.main(["demo", "--quick", "--out", str(mine)]) == 2
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert sorted(p.name for p in mine.iterdir()) == ["summary.md"]
+    assert (mine / "summary.md").read_text() == "# my notes"

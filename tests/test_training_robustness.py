@@ -325,3 +325,15 @@ def test_an_interrupted_step_is_not_left_in_the_trace(tmp_path, capsys, corpus, 
     sc = TraceReader(tmp_path / "t").scalars()
     steps, per_step = np.unique(sc["step"], return_counts=True)
     assert steps.tolist() == [1, 2] and per_step[0] == per_step[1]  # whole steps only
+
+
+def test_a_taken_record_directory_is_refused_before_the_run_begins(tmp_path, capsys, corpus):
+    prof = tmp_path / "prof"
+    prof.mkdir()
+    (prof / "trace.json").write_text('{"traceEvents": []}')  # a profiler's trace, say
+    rc, _, err = train(capsys, corpus, "--recipe", "te-delayed", "--steps", "2", "--out",
+                       tmp_path / "r", "--record", prof)  # fmt: skip
+    assert rc == 2 and f"--record {prof}: already holds a trace" in err and "mode=" not in err
+    assert not (tmp_path / "r").exists()  # no run begun: a corrected command just works
+    assert train(capsys, corpus, "--recipe", "te-delayed", "--steps", "2", "--out", tmp_path / "r",
+                 "--record", tmp_path / "t")[0] == 0  # fmt: skip

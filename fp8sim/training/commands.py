@@ -133,6 +133,12 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"--{opt}: an empty path (give a directory, or leave the option out)")
     out = Path(args.out or f"runs/{cfg.recipe}-{cfg.backend}-s{cfg.seed}")
     _check_outside_data(args.data, {"--out": out, "--record": args.record})
+    begun = (out / "config.json").exists() or (out / "metrics.jsonl").exists()  # a run: see start_mode
+    if args.record is not None and not args.resume and not begun:  # before config.json is written
+        rec = Path(args.record)
+        if (rec / "trace.json").exists() or (rec / "rank0" / "trace.json").exists():
+            raise ValueError(f"--record {rec}: already holds a trace; record a new run into a new "
+                             "directory (a resumed run, --resume, continues its own)")  # fmt: skip
     r = get_recipe(cfg.recipe)
     if args.nproc != 1 or torchrun_env() or args.grad_scaling or args.fp8_grads or (
             r.optimizer, r.grad_comm, r.weight_storage) != (

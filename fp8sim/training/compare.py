@@ -131,7 +131,9 @@ def plot_loss_curves(runs: list[str | os.PathLike], path: str | os.PathLike, *, 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from analysis.plots import save_png
+
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return path
 
