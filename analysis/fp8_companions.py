@@ -15,15 +15,13 @@ from typing import Any
 
 from analysis.dumps import Dump, TensorSource, open_dump
 
-__all__ = ["SCALE_SUFFIXES", "MAX_JSON_BYTES", "CompanionFinder", "config_blocks"]
+__all__ = ["SCALE_SUFFIXES", "MAX_JSON_BYTES", "CompanionFinder", "config_blocks", "parse_block"]
 
 #: companion-name suffixes (both are multipliers)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
 #: bytes of an index or config.json read (a model's config is KiBs, an index MiBs)
 MAX_JSON_BYTES = 64 << 20
-_MAX_BLOCK = 1 << 31
 _SHARD = re.compile(r"^(?P<prefix>.+)-(?P<k>\d+)-of-(?P<total>\d+)\.(?P<ext>safetensors|bin)$")
-_BLOCK_TEXT = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
 def read_json(path: str) -> tuple[Any, str]:
@@ -44,15 +42,29 @@ def read_json(path: str) -> tuple[Any, str]:
         return None, f"not JSON ({first})"
 
 
+def parse_block(spec: Any, where: str = "--fp8-block") -> tuple[int, int]:
+    """``"RxC"`` -> (R, C), through :func:`fp8sim.scaling.parse_granularity` (``block:RxC``).
+    Raises ValueError naming ``where``."""
+    from fp8sim.scaling import parse_granularity
+
+    try:
+        g = parse_granularity(f"block:{spec.strip()}") if isinstance(spec, str) else None
+    except ValueError:
+        g = None
+    if g is None or g.kind != "block":
+        raise ValueError(f"{where} {spec!r}: expected RxC with R, C >= 1 (e.g. 128x128)")
+    return g.block
+
+
 def _block_pair(v: Any) -> tuple[int, int] | None:
-    """(R, C) from ``[R, C]`` or ``"RxC"``, both in [1, 2**31]; None otherwise."""
-    if isinstance(v, str) and _BLOCK_TEXT.match(v):
-        v = [int(g) for g in _BLOCK_TEXT.match(v).groups()]
-    if isinstance(v, list) and len(v) == 2 and all(
-        isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= _MAX_BLOCK for x in v
-    ):
-        return v[0], v[1]
-    return None
+    """(R, C) from ``[R, C]`` or ``"RxC"``, both >= 1; None otherwise."""
+    ints = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    if ints and len(v) == 2:
+        v = f"{v[0]}x{v[1]}"
+    try:
+        return parse_block(v)
+    except ValueError:
+        return None
 
 
 def config_blocks(directory: str) -> tuple[list[tuple[int, int]], str]:

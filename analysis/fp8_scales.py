@@ -52,26 +52,13 @@ from typing import Any, Callable
 import numpy as np
 
 from analysis.dumps import FLOAT_DTYPES, FP8_DTYPES, Dump, TensorSource
-from analysis.fp8_companions import SCALE_SUFFIXES, CompanionFinder, config_blocks
+from analysis.fp8_companions import SCALE_SUFFIXES, CompanionFinder, config_blocks, parse_block
 
 __all__ = ["SCALE_SUFFIXES", "DEFAULT_BLOCK", "parse_block", "link_fp8_scales", "ScaledSource"]
 
 #: block shape when neither --fp8-block nor a config.json gives one
 DEFAULT_BLOCK = (128, 128)
-_MAX_BLOCK = 1 << 31
 _E8M0 = "float8_e8m0fnu"
-
-
-def parse_block(spec: str, where: str = "--fp8-block") -> tuple[int, int]:
-    """``"RxC"`` -> (R, C), both in [1, 2**31]. Raises ValueError naming ``where``."""
-    parts = spec.lower().split("x")
-    try:
-        r, c = (int(p) for p in parts) if len(parts) == 2 else (0, 0)
-    except ValueError:
-        r, c = 0, 0
-    if not (1 <= r <= _MAX_BLOCK and 1 <= c <= _MAX_BLOCK):
-        raise ValueError(f"{where} {spec!r}: expected RxC with 1 <= R, C <= 2**31 (e.g. 128x128)")
-    return r, c
 
 
 @dataclass

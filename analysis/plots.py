@@ -17,20 +17,12 @@ from typing import Sequence
 
 import numpy as np
 
+from fp8sim.atomic_file import save_figure
+
 __all__ = ["plot_log2_histogram", "plot_heatmap", "plot_policy_summary", "safe_name"]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
-
-
-def save_png(fig, path, **kw) -> None:
-    """``fig`` as a PNG at ``path``, whole or not at all (an interrupted or failed save keeps the
-    old file: :func:`fp8sim.atomic_file.atomic_write`)."""
-    from pathlib import Path
-
-    from fp8sim.atomic_file import atomic_write
-
-    atomic_write(Path(path), lambda f: fig.savefig(f, format="png", **kw))
 
 def safe_name(name: str, index: int | None = None, limit: int = 80) -> str:
     s = _SAFE.sub("_", name).strip("._") or "tensor"
@@ -89,7 +81,7 @@ def plot_log2_histogram(
         ax.set_ylabel("values per binade")
         ax.set_title(title, fontsize=9)
         fig.tight_layout()
-        save_png(fig, path)
+        save_figure(fig, path)
     finally:
         plt.close(fig)
     return str(path)
@@ -118,7 +110,7 @@ def plot_heatmap(
         ax.set_title(title, fontsize=9)
         fig.colorbar(im, ax=ax, label=label)
         fig.tight_layout()
-        save_png(fig, path)
+        save_figure(fig, path)
     finally:
         plt.close(fig)
     return str(path)
@@ -141,7 +133,7 @@ def plot_policy_summary(path: str | os.PathLike, summaries: Sequence[dict]) -> s
             a.set_xticks(x)
             a.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
         fig.tight_layout()
-        save_png(fig, path)
+        save_figure(fig, path)
     finally:
         plt.close(fig)
     return str(path)

@@ -7,7 +7,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "save_figure"]
 
 
 def _umask() -> int:
@@ -54,3 +54,9 @@ def atomic_write(path: Path, write) -> None:
         except OSError:
             pass
         raise
+
+
+def save_figure(fig, path, **kw) -> None:
+    """A matplotlib figure as a PNG at ``path`` through :func:`atomic_write` (a failed or
+    interrupted save keeps the old file)."""
+    atomic_write(Path(path), lambda f: fig.savefig(f, format="png", **kw))

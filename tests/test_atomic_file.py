@@ -125,11 +125,11 @@ def test_a_failed_plot_keeps_the_old_png(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from analysis.plots import save_png
+    from fp8sim.atomic_file import save_figure
 
     png = tmp_path / "loss.png"
     fig = plt.figure()
-    save_png(fig, png)
+    save_figure(fig, png)
     good = png.read_bytes()
     assert good[:4] == b"\x89PNG"
 
@@ -139,6 +139,6 @@ def test_a_failed_plot_keeps_the_old_png(tmp_path):
 
     fig.savefig = failing
     with pytest.raises(OSError):
-        save_png(fig, png)
+        save_figure(fig, png)
     plt.close(fig)
     assert png.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ["loss.png"]

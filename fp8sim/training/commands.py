@@ -125,7 +125,7 @@ def _check_outside_data(data: str | None, outputs: dict) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from fp8sim.training.distributed import torchrun_env
     from fp8sim.training.recipes import get_recipe
-    from fp8sim.training.trainer import Trainer
+    from fp8sim.training.trainer import Trainer, run_begun
 
     cfg = config_from_args(args)
     for opt in ("out", "record"):
@@ -133,8 +133,7 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"--{opt}: an empty path (give a directory, or leave the option out)")
     out = Path(args.out or f"runs/{cfg.recipe}-{cfg.backend}-s{cfg.seed}")
     _check_outside_data(args.data, {"--out": out, "--record": args.record})
-    begun = (out / "config.json").exists() or (out / "metrics.jsonl").exists()  # a run: see start_mode
-    if args.record is not None and not args.resume and not begun:  # before config.json is written
+    if args.record is not None and not args.resume and not run_begun(out):  # before config.json
         rec = Path(args.record)
         if (rec / "trace.json").exists() or (rec / "rank0" / "trace.json").exists():
             raise ValueError(f"--record {rec}: already holds a trace; record a new run into a new "

@@ -131,9 +131,9 @@ def plot_loss_curves(runs: list[str | os.PathLike], path: str | os.PathLike, *, 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    from analysis.plots import save_png
+    from fp8sim.atomic_file import save_figure
 
-    save_png(fig, path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 

@@ -386,13 +386,9 @@ class _RankRun:
         restore_rng(ck["rng"])
         self.start_step = int(ck["step"])
         if self.rank == 0:  # the steps after the checkpoint are run (and logged) again
-            import json
+            from fp8sim.training.trainer import write_metrics
 
-            from fp8sim.atomic_file import atomic_write
-
-            rows = [r for r in read_metrics(self.out) if r["step"] <= self.start_step]
-            text = "".join(json.dumps(r) + "\n" for r in rows)  # whole or not at all
-            atomic_write(self.out / "metrics.jsonl", lambda f: f.write(text.encode()))
+            write_metrics(self.out, [r for r in read_metrics(self.out) if r["step"] <= self.start_step])
         return ck
 
     def _autocast(self):

@@ -252,14 +252,13 @@ class Trainer:
         return ck
 
     def _write_metrics(self, rows: list[dict], mode: str = "a") -> None:
-        """Append ``rows`` (mode "a") or replace the file with them (mode "w": whole or not at
-        all, so a failed rewrite keeps every old row)."""
-        text = "".join(json.dumps(r) + "\n" for r in rows)
+        """Append ``rows`` (mode "a") or replace the file with them (mode "w": see
+        :func:`write_metrics`)."""
         if mode == "w":
-            atomic_write(self.out / "metrics.jsonl", lambda f: f.write(text.encode()))
+            write_metrics(self.out, rows)
             return
         with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(text)
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
 
     def save(self, step: int) -> None:
         """Checkpoint after ``step``. The trace is flushed first, so a checkpoint never points
@@ -399,6 +398,11 @@ def _check_corpus(out: Path, ck: dict, corpus) -> None:
                          f"{ck['corpus']}, now {corpus.fingerprint}); resuming would train on other data")
 
 
+def run_begun(out: Path) -> bool:
+    """Whether a run has begun in ``out``: its config.json (or metrics.jsonl) is there."""
+    return (out / "metrics.jsonl").is_file() or (out / "config.json").is_file()
+
+
 def start_mode(out: Path, resume: bool, *, data_parallel: bool, config: dict | None = None) -> str:
     """How a run in ``out`` starts: ``"fresh"``, ``"resume"`` (from its checkpoint) or
     ``"restart"`` (``--resume`` of a run killed before its first checkpoint: nothing to resume,
@@ -412,7 +416,7 @@ def start_mode(out: Path, resume: bool, *, data_parallel: bool, config: dict | N
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a directory")
-    begun = (out / "metrics.jsonl").is_file() or (out / "config.json").is_file()
+    begun = run_begun(out)
     if not resume:
         if begun:
             raise ValueError(f"{out} already holds a run; resume it (--resume) or choose another output directory")
@@ -455,6 +459,13 @@ def _check_restart(out: Path, config: dict | None) -> None:
     diff = sorted(k for k, v in config.items() if old.get(k) != v)
     if diff:
         raise ValueError(f"--resume: {out} holds a run of another config (differs in {diff})")
+
+
+def write_metrics(out: Path, rows: list[dict]) -> None:
+    """Replace ``out/metrics.jsonl`` with ``rows``, whole or not at all (a failed rewrite, a
+    full disk, keeps every old row)."""
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    atomic_write(out / "metrics.jsonl", lambda f: f.write(text.encode()))
 
 
 def write_json(path: Path, obj: dict) -> None:
