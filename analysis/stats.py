@@ -20,16 +20,19 @@ amax with ``scale_from_amax`` / ``mx_shared_scale`` -- the scaling module's own 
 Passes, per chunk of the flat tensor (bounded memory, files read lazily): pass A (only when a
 variant scales just in time) is one numba pass computing the tensor's amax and every requested
 granularity's per-group amax -- a just-in-time scale needs them before the first cast -- and the
-format-independent figures (NaN/inf/zero counts, amax, sum x^2, the log2|x| histogram), which
-keep the cores busy while that pass streams the data from memory; pass B is one numba pass
-computing every variant's figures (and the format-independent ones when pass A did not run),
-block by block, so the data is read from memory once and each variant's cast reads the block
-from L1. Inside a pass, a chunk is split into parts (by size) that the numba threads take in
-turn (``prange``), each part into L1-sized blocks whose loops are branch-free so LLVM vectorizes
-them; the cast works on float32 bit patterns in 32-bit lanes (RNE as an integer or FPU add at
-the quantum; see :mod:`analysis.stats_blocks`). Full float32 blocks under one scale for the whole
-tensor (tensor scaling, none) take :mod:`analysis.stats_full`: counts as comparisons of |x|'s
-bits against thresholds found once by bisection over the exact rounding, two variants per read.
+format-independent figures (NaN/inf/zero counts, amax, sum x^2, the log2|x| histogram), which keep
+the cores busy while that pass streams the data from memory; pass B is one numba pass computing
+every variant's figures (and the format-independent ones when pass A did not run), block by block,
+so the data is read from memory once and each variant's cast reads the block from L1. A tensor that
+is one chunk, under tensor scaling or none only (the common case), takes both passes and the scales
+between them in one numba call (the scale rule is :func:`fp8sim.scaling.scale_multiplier`, the one
+``scale_from_amax`` runs): Python between the passes would run with caches the pass has just
+flushed. Inside a pass, a chunk is split into parts (by size) that the numba threads take in turn
+(``prange``), each part into L1-sized blocks whose loops are branch-free so LLVM vectorizes them;
+the cast works on float32 bit patterns in 32-bit lanes (RNE as an integer or FPU add at the
+quantum; see :mod:`analysis.stats_blocks`). Full float32 blocks under one scale for the whole
+tensor (tensor scaling, none) take :mod:`analysis.stats_full`: counts as comparisons of |x|'s bits
+against thresholds found once by bisection over the exact rounding, two variants per read.
 
 Counts are exact (tests compare them with ``quantize_scaled`` + ``dequantize``); the two sums are
 float64 accumulations in a fixed order (within blocks of 1024 elements: pairwise, the first
@@ -47,8 +50,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from fp8sim.formats import FloatFormat, get_format
-from fp8sim.scaling import Granularity, mx_shared_scale, parse_granularity, scale_from_amax, view2d
-from analysis.stats_kernels import _HIGH_EXP, N_LOG2, _pass_a, _pass_b, _parts
+from fp8sim.scaling import Granularity, mx_shared_scale, parse_granularity, scale_from_amax
+from fp8sim.scaling import scaled_format_max, view2d
+from analysis.stats_kernels import _HIGH_EXP, N_LOG2, _pass_a, _pass_b, _parts, _whole_tensor
 from fp8sim.abs_histogram import EXPONENT_MAX, EXPONENT_MIN
 
 __all__ = [
@@ -268,6 +272,33 @@ def _group_range(start: int, size: int, n: int, r: int, c: int, gc: int) -> tupl
     return (r0 // r) * gc, (r1 // r) * gc + gc - 1  # whole grid rows
 
 
+def _variant_table(variants: Sequence[Variant], grans: list[Granularity], g_tiles: list,
+                   m: int, n: int) -> tuple[np.ndarray, np.ndarray, list]:
+    """(vint, vflt) of :func:`analysis.stats_kernels._pass_b` for the variants (scale offsets
+    and first groups left 0), and each variant's (R, C, Gc, index into grans; -1 for none)."""
+    vint = np.zeros((len(variants), 10), np.int64)
+    vflt = np.zeros((len(variants), 3), np.float64)
+    shapes = []
+    for k, v in enumerate(variants):
+        fmt = v.fmt
+        if v.scaling == "none":
+            r, c, gc, gi = m, n, 1, -1
+        else:
+            gi = grans.index(v.granularity)
+            r, c, gc, _ = g_tiles[gi]
+        shapes.append((r, c, gc, gi))
+        vint[k, 8] = int(r >= m and c >= n)  # one scale for the whole tensor
+        vint[k, 9] = int(fmt.emax + 23 - fmt.mantissa_bits <= 127)  # see _cast_block_f32
+        mb = fmt.mantissa_bits
+        vint[k, :7] = (
+            r, c, gc, 0, 23 - mb,
+            int(np.float32(fmt.max).view(np.uint32)),
+            int(np.float32(fmt.min_normal).view(np.uint32)),
+        )  # fmt: skip
+        vflt[k] = (2.0 ** (fmt.emin - mb + 23), fmt.max, fmt.min_normal)
+    return vint, vflt, shapes
+
+
 def tensor_stats(
     x: Any,
     variants: Sequence[Variant],
@@ -323,9 +354,30 @@ def tensor_stats(
         sig2[:] += sq
         log2[:] += lg
 
-    # ---- pass A (only when a variant needs a just-in-time scale): amaxes + the scan ----
+    vint, vflt, shapes = _variant_table(variants, grans, g_tiles, m, n)
+    vcounts = np.zeros((len(variants), 5), np.int64)
+    verr = np.zeros((len(variants), 2), np.float64)
+    smin = np.full(len(variants), np.inf)
+    smax = np.full(len(variants), -np.inf)
+
+    # ---- both passes in one numba call: a tensor read as one chunk, tensor scaling or none ----
+    # (the common case; no Python between the passes, which would run with cold caches)
     need_a = bool(grans)
-    for start in range(0, numel if need_a else 0, chunk):
+    one_call = need_a and numel <= chunk and all(g.kind == "tensor" for g in grans)
+    if one_call:
+        scaled_max = np.array([np.nan if v.scaling == "none" else scaled_format_max(v.fmt, v.margin)
+                               for v in variants], np.float32)  # fmt: skip
+        pow2 = np.array([v.pow2 for v in variants], np.bool_)
+        vint[:, 3] = np.arange(len(variants))
+        scanned, smin[:], vcounts[:], verr[:] = _whole_tensor(
+            read(0, numel), n, vint, vflt, scaled_max, pow2, _parts(numel))
+        _add_scan(scanned)
+        smax[:] = smin
+        if progress is not None:
+            progress(2 * numel)
+
+    # ---- pass A (only when a variant needs a just-in-time scale): amaxes + the scan ----
+    for start in range(0, numel if need_a and not one_call else 0, chunk):
         xc = read(start, min(numel, start + chunk))
         # granularities the kernel tiles (tensor's amax comes from the scan's amax)
         tiled = [k for k, g in enumerate(grans) if g.kind != "tensor"]
@@ -354,27 +406,6 @@ def tensor_stats(
     # ---- pass B, with each chunk's scales from the scaling module's own rules ----
     # (scales are made per chunk, for the grid rows the chunk touches: an MX scale grid of a
     # 4 GB tensor is never held whole)
-    vint = np.zeros((len(variants), 10), np.int64)
-    vflt = np.zeros((len(variants), 3), np.float64)
-    shapes = []
-    for k, v in enumerate(variants):
-        fmt = v.fmt
-        if v.scaling == "none":
-            r, c, gc, gi = m, n, 1, -1
-        else:
-            gi = grans.index(v.granularity)
-            r, c, gc, _ = g_tiles[gi]
-        shapes.append((r, c, gc, gi))
-        vint[k, 8] = int(r >= m and c >= n)  # one scale for the whole tensor
-        vint[k, 9] = int(fmt.emax + 23 - fmt.mantissa_bits <= 127)  # see _cast_block_f32
-        mb = fmt.mantissa_bits
-        vint[k, :7] = (
-            r, c, gc, 0, 23 - mb,
-            int(np.float32(fmt.max).view(np.uint32)),
-            int(np.float32(fmt.min_normal).view(np.uint32)),
-        )  # fmt: skip
-        vflt[k] = (2.0 ** (fmt.emin - mb + 23), fmt.max, fmt.min_normal)
-
     def chunk_scales(v: Variant, gi: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(multipliers, scale_inv) of grid entries [lo, hi) of variant v (float32)."""
         if gi < 0:
@@ -388,16 +419,12 @@ def tensor_stats(
         mult = scale_from_amax(gam, v.fmt, margin=v.margin, pow2=v.pow2).reshape(-1)
         return mult, (np.float32(1) / mult).astype(np.float32)
 
-    vcounts = np.zeros((len(variants), 5), np.int64)
-    verr = np.zeros((len(variants), 2), np.float64)
-    smin = np.full(len(variants), np.inf)
-    smax = np.full(len(variants), -np.inf)
     whole_scales = {}  # variants with one scale for the whole tensor: computed once
     for k, v in enumerate(variants):
         r, _, gc, gi = shapes[k]
-        if vint[k, 8]:
+        if vint[k, 8] and not one_call:
             whole_scales[k] = chunk_scales(v, gi, 0, gc)
-    for start in range(0, numel, chunk):
+    for start in range(0, 0 if one_call else numel, chunk):
         xc = read(start, min(numel, start + chunk))
         sc_parts, si_parts = [], []
         off = 0

@@ -7,7 +7,7 @@ format-independent figures (NaN/inf/zero counts, the finite amax, sum x^2, the l
 histogram), which keep the cores busy while the pass streams the data from memory. Pass B: every
 variant's cast figures (and the format-independent ones when pass A did not run), block by
 block, so each L1-sized block is loaded from memory once and every variant's cast reads it from
-L1.
+L1. :func:`_whole_tensor`: both passes, and the whole-tensor scales between them, in one call.
 
 Each pass splits a chunk into parts whose number depends on the chunk's size only (``prange``
 over the parts, taken by the threads one at a time; each part writes only its own outputs, summed
@@ -24,7 +24,9 @@ import numpy as np
 from analysis.stats_blocks import _BLOCK, _HIGH_EXP, N_HIST_COPIES, N_LOG2
 from analysis.stats_blocks import _cast, _pairwise_sum, _scan, _tile_amax
 from analysis.stats_full import _cast_full, _cast_full_pair, _cast_thresholds
+from fp8sim._bitcast import bits_f32
 from fp8sim._jit import jit_kernel, jit_serial
+from fp8sim.scaling import scale_multiplier
 from fp8sim.abs_histogram import EXPONENT_MIN
 
 __all__ = ["N_LOG2", "_HIGH_EXP", "_pass_a", "_pass_b", "_parts"]
@@ -32,15 +34,9 @@ __all__ = ["N_LOG2", "_HIGH_EXP", "_pass_a", "_pass_b", "_parts"]
 def _parts(n: int) -> int:
     """Parts of a chunk of n elements: 64 Ki elements or more each, at most 64, whatever the
     thread count (so the figures, summed part by part in order, do not depend on it). The
-    threads take parts as they finish the previous one (``_run``): on a shared machine one slow
-    thread then costs its share of the time, not half the pass."""
+    threads take parts as they finish the previous one (``_run``):
+    on a shared machine one slow thread then costs its share of the time, not half the pass."""
     return max(1, min(64, n // (1 << 16)))
-
-
-def _run(kernel, *args) -> None:
-    """Run a ``prange``-over-parts kernel with dynamic scheduling (one part at a time)."""
-    with numba.parallel_chunksize(1):
-        kernel(*args)
 
 
 @jit_serial
@@ -101,17 +97,26 @@ def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, base, sig2, hist, 
         c = 0
 
 
+def _run(kernel, *args):
+    """Run a ``prange``-over-parts kernel with dynamic scheduling (one part at a time)."""
+    with numba.parallel_chunksize(1):
+        return kernel(*args)
+
+
 @jit_kernel
-def _pass_a_kernel(x, n_parts, i0, ncols, gran, local_off, gamax, gnan, base, sig2, hist, hsub):
+def _pass_a_kernel(x, n_parts, i0, ncols, gran, local_off, gamax, gnan):
+    base, sig2, hist, hsub = _scan_buffers(n_parts)
     per = (x.size + n_parts - 1) // n_parts
     for p in numba.prange(n_parts):
         s = min(x.size, p * per)
         e = min(x.size, s + per)
         _part_a(x, s, e, i0, ncols, gran, local_off, gamax[p], gnan[p], base[p], sig2[p],
                 hist[p], hsub[p])  # fmt: skip
+    return _scan_totals(base, sig2, hist, hsub)
 
 
-def _scan_buffers(n_parts: int):
+@jit_serial
+def _scan_buffers(n_parts):
     """Per-part outputs of the format-independent figures (base, sig2, hist = counts of each
     float32 exponent byte, hsub)."""
     return (np.zeros((n_parts, 4), np.int64), np.zeros((n_parts, 2), np.float64),
@@ -119,20 +124,31 @@ def _scan_buffers(n_parts: int):
             np.zeros((n_parts, N_LOG2), np.int64))  # fmt: skip
 
 
+@jit_serial
 def _scan_totals(base, sig2, hist, hsub):
-    """Sum the per-part format-independent figures (in part order): (tot (4,) = nan, inf, zero,
+    """Sum the per-part format-independent figures, part after part: (tot (4,) = nan, inf, zero,
     float32 bits of the max finite |x|; sig2 (2,); log2 (N_LOG2,) the histogram)."""
-    tot = base.sum(axis=0)
-    tot[3] = base[:, 3].max() if base.shape[0] else 0
-    nan, inf, zero = int(tot[0]), int(tot[1]), int(tot[2])
-    by_byte = hist.sum(axis=0)
-    log2 = hsub.sum(axis=0)
-    n_sub = int(log2.sum())
+    tot = np.zeros(4, np.int64)
+    sq = np.zeros(2, np.float64)
+    by_byte = np.zeros(256, np.int64)
+    log2 = np.zeros(N_LOG2, np.int64)
+    for p in range(base.shape[0]):
+        for j in range(3):
+            tot[j] += base[p, j]
+        tot[3] = max(tot[3], base[p, 3])
+        sq[0] += sig2[p, 0]
+        sq[1] += sig2[p, 1]
+        for b in range(256):
+            by_byte[b] += hist[p, b]
+        for b in range(N_LOG2):
+            log2[b] += hsub[p, b]
+    n_sub = log2.sum()
     # exponent byte b of a normal float32: floor(log2) = b - 127, bin b - 127 - EXPONENT_MIN
-    log2[1 - 127 - EXPONENT_MIN : 255 - 127 - EXPONENT_MIN] += by_byte[1:255]
-    log2[0] += by_byte[0] - zero - n_sub  # nonzero values whose float32 is 0
-    log2[-1] += by_byte[255] - nan - inf  # finite values whose float32 is inf
-    return tot, sig2.sum(axis=0), log2
+    for b in range(1, 255):
+        log2[b - 127 - EXPONENT_MIN] += by_byte[b]
+    log2[0] += by_byte[0] - tot[2] - n_sub  # nonzero values whose float32 is 0
+    log2[N_LOG2 - 1] += by_byte[255] - tot[0] - tot[1]  # finite values whose float32 is inf
+    return tot, sq, log2
 
 
 def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
@@ -150,27 +166,30 @@ def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
     """
     gamax = np.zeros((n_parts, n_local), np.uint32)
     gnan = np.zeros((n_parts, n_local), np.int64)
-    bufs = _scan_buffers(n_parts)
-    _run(_pass_a_kernel, x, n_parts, i0, ncols, gran, local_off, gamax, gnan, *bufs)
-    return gamax, gnan, _scan_totals(*bufs)
+    totals = _run(_pass_a_kernel, x, n_parts, i0, ncols, gran, local_off, gamax, gnan)
+    return gamax, gnan, totals
 
 
-def _full_variants(dtype, vint, vflt, scales, sinvs):
+@jit_serial
+def _full_variants(f32, vint, vflt, scales, sinvs):
     """The variants whose full float32 blocks go to :mod:`analysis.stats_full`'s kernels (one
     positive finite scale for the whole tensor, a format :func:`_cast_block_f32` takes), two a
-    read: (their indices, int64, none for float64 input; thresholds (V, 3) of
-    :func:`_cast_thresholds`, rows of the others 0). Once per chunk, in Python."""
-    full = []
-    thr = np.zeros((vint.shape[0], 3), np.int64)
-    for v in range(vint.shape[0] if dtype == np.float32 else 0):
+    read: (their indices, int64, none unless ``f32`` (float32 input); thresholds (V, 3) of
+    :func:`_cast_thresholds`, rows of the others 0). Once per chunk."""
+    nv = vint.shape[0]
+    full = np.empty(nv, np.int64)
+    thr = np.zeros((nv, 3), np.int64)
+    n = 0
+    for v in range(nv if f32 else 0):
         sc, si = scales[vint[v, 3]], sinvs[vint[v, 3]]
         if vint[v, 8] and vint[v, 9] and 0 < sc < np.inf and 0 < si < np.inf:
-            shift = int(vint[v, 4])
-            _cast_thresholds(sc, np.uint32(shift), np.uint32((1 << (shift - 1)) - 1),
+            shift = np.uint32(vint[v, 4])
+            _cast_thresholds(sc, shift, np.uint32((1 << (shift - 1)) - 1),
                              ~np.uint32((1 << shift) - 1), np.uint32(vint[v, 5]),
                              np.uint32(vint[v, 6]), np.float32(vflt[v, 0]), thr[v])  # fmt: skip
-            full.append(v)
-    return np.array(full, np.int64), thr
+            full[n] = v
+            n += 1
+    return full[:n], thr
 
 
 @jit_serial
@@ -269,14 +288,72 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base
 
 
 @jit_kernel
-def _pass_b_kernel(x, n_parts, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base, sig2,
-                   hist, hsub, counts, err2):  # fmt: skip
+def _pass_b_kernel(x, n_parts, i0, ncols, vint, vflt, scales, sinvs, f32, scan):
+    nv = vint.shape[0]
+    base, sig2, hist, hsub = _scan_buffers(n_parts)
+    counts = np.zeros((n_parts, nv, 5), np.int64)
+    err2 = np.zeros((n_parts, nv, 2), np.float64)
+    full, thr = _full_variants(f32, vint, vflt, scales, sinvs)
     per = (x.size + n_parts - 1) // n_parts
     for p in numba.prange(n_parts):
         s = min(x.size, p * per)
         e = min(x.size, s + per)
         _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base[p], sig2[p],
                 hist[p], hsub[p], counts[p], err2[p])  # fmt: skip
+    v_counts, v_err2 = _variant_totals(counts, err2)
+    return _scan_totals(base, sig2, hist, hsub), v_counts, v_err2
+
+
+@jit_serial
+def _variant_totals(counts, err2):
+    """Sum the per-part cast figures, part after part (the sums depend on the part count only)."""
+    v_counts = np.zeros(counts.shape[1:], np.int64)
+    v_err2 = np.zeros(err2.shape[1:], np.float64)
+    for p in range(counts.shape[0]):
+        for v in range(counts.shape[1]):
+            for j in range(counts.shape[2]):
+                v_counts[v, j] += counts[p, v, j]
+            v_err2[v, 0] += err2[p, v, 0]
+            v_err2[v, 1] += err2[p, v, 1]
+    return v_counts, v_err2
+
+
+@jit_kernel
+def _whole_tensor_kernel(x, n_parts, ncols, vint, vflt, scaled_max, pow2, f32):
+    """Pass A, every variant's scale and pass B of a float32/float64 tensor read as one chunk,
+    for variants whose one scale covers the whole tensor: none (``scaled_max`` NaN: scale 1)
+    or tensor scaling (:func:`fp8sim.scaling.scale_multiplier` of the finite amax, inf when the
+    tensor holds an inf: scale 1), in one call (no Python between the passes)."""
+    nv = vint.shape[0]
+    base, sig2, hist, hsub = _scan_buffers(n_parts)
+    no_tiles = np.zeros((0, 4), np.int64)
+    no_off = np.zeros(1, np.int64)
+    no_amax = np.zeros((n_parts, 0), np.uint32)
+    no_nan = np.zeros((n_parts, 0), np.int64)
+    per = (x.size + n_parts - 1) // n_parts
+    for p in numba.prange(n_parts):
+        s = min(x.size, p * per)
+        e = min(x.size, s + per)
+        _part_a(x, s, e, 0, ncols, no_tiles, no_off, no_amax[p], no_nan[p], base[p], sig2[p],
+                hist[p], hsub[p])  # fmt: skip
+    totals = _scan_totals(base, sig2, hist, hsub)
+    amax = np.float32(np.inf) if totals[0][1] else bits_f32(np.uint32(totals[0][3]))
+    scales = np.ones(nv, np.float32)
+    sinvs = np.ones(nv, np.float32)
+    for v in range(nv):
+        if scaled_max[v] == scaled_max[v]:
+            scales[v] = scale_multiplier(amax, scaled_max[v], np.float32(0), pow2[v])
+            sinvs[v] = np.float32(1) / scales[v]
+    full, thr = _full_variants(f32, vint, vflt, scales, sinvs)
+    counts = np.zeros((n_parts, nv, 5), np.int64)
+    err2 = np.zeros((n_parts, nv, 2), np.float64)
+    for p in numba.prange(n_parts):
+        s = min(x.size, p * per)
+        e = min(x.size, s + per)
+        _part_b(x, s, e, 0, ncols, vint, vflt, scales, sinvs, full, thr, False, base[p], sig2[p],
+                hist[p], hsub[p], counts[p], err2[p])  # fmt: skip
+    v_counts, v_err2 = _variant_totals(counts, err2)
+    return totals, scales, v_counts, v_err2
 
 
 def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
@@ -295,11 +372,15 @@ def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
     scale), zeros among the lost; err2 (V, 2) = sum (deq - x)^2 as (low, high) pairs (see
     stats._combine).
     """
-    nv = vint.shape[0]
-    bufs = _scan_buffers(n_parts)
-    counts = np.zeros((n_parts, nv, 5), np.int64)
-    err2 = np.zeros((n_parts, nv, 2), np.float64)
-    full, thr = _full_variants(x.dtype, vint, vflt, scales, sinvs)
-    _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, *bufs,
-         counts, err2)  # fmt: skip
-    return (_scan_totals(*bufs) if scan else None), counts.sum(axis=0), err2.sum(axis=0)
+    totals, counts, err2 = _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs,
+                                x.dtype == np.float32, scan)  # fmt: skip
+    return (totals if scan else None), counts, err2
+
+
+def _whole_tensor(x, ncols, vint, vflt, scaled_max, pow2, n_parts):
+    """Both passes over ``x``, the whole tensor as one chunk, when every variant has one scale
+    for the whole tensor (see :func:`_whole_tensor_kernel`; vint/vflt as for :func:`_pass_b`,
+    each variant's scale at offset v). Returns (:func:`_scan_totals`, scales (V,) float32,
+    counts, err2) as :func:`_pass_a` and :func:`_pass_b` would."""
+    return _run(_whole_tensor_kernel, x, n_parts, ncols, vint, vflt, scaled_max, pow2,
+                x.dtype == np.float32)

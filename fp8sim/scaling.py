@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from fp8sim._bitcast import bits_f32, f32_bits
+from fp8sim._jit import jit_scalar, jit_serial
 from fp8sim.emulator import as_float_array, decode, encode
 from fp8sim.formats import FloatFormat, get_format
 
@@ -60,6 +62,8 @@ __all__ = [
     "view2d",
     "compute_amax",
     "scale_from_amax",
+    "scale_multiplier",
+    "scaled_format_max",
     "mx_shared_scale",
     "e8m0_codes",
     "ScaledTensor",
@@ -229,10 +233,44 @@ def compute_amax(
 # -- scale rules -------------------------------------------------------------------------------
 
 
-def _pow2_floor(s: np.ndarray) -> np.ndarray:
-    """Largest power of two <= s for finite s > 0 (exact, subnormals included)."""
-    frac, exp = np.frexp(s)  # s = frac * 2**exp, 0.5 <= frac < 1
-    return np.ldexp(np.float32(1), exp - 1).astype(np.float32)
+@jit_scalar
+def _pow2_floor_f32(s):
+    """Largest power of two <= s for a finite float32 s > 0 (exact, subnormals included): the
+    exponent bits of a normal s, the leading one of a subnormal's; 0 stays 0."""
+    u = f32_bits(s)
+    if u >= np.uint32(0x00800000) or u == np.uint32(0):
+        return bits_f32(np.uint32(u & np.uint32(0x7F800000)))
+    top = np.uint32(1)
+    while u > np.uint32(1):
+        u >>= np.uint32(1)
+        top <<= np.uint32(1)
+    return bits_f32(top)
+
+
+@jit_scalar
+def scale_multiplier(amax, scaled_max, epsilon, pow2):
+    """The scale rule of :func:`scale_from_amax` for one float32 ``amax`` (numba code and
+    Python): ``scaled_max`` is :func:`scaled_format_max`, ``epsilon`` a float32 >= 0."""
+    a = epsilon if amax < epsilon else amax
+    if not (a < np.inf) or a == np.float32(0):  # NaN, inf or 0: scale 1
+        return np.float32(1)
+    s = np.float32(scaled_max / a)  # one float32 division (double rounding is innocuous)
+    if s == np.inf:
+        s = _F32_MAX
+    return _pow2_floor_f32(s) if pow2 else s
+
+
+@jit_serial
+def _scale_multipliers(amax, scaled_max, epsilon, pow2, out):
+    for i in range(amax.size):
+        out[i] = scale_multiplier(amax[i], scaled_max, epsilon, pow2)
+
+
+def scaled_format_max(fmt: FloatFormat | str, margin: float = 0) -> np.float32:
+    """``float32(float32(fmt.max) * float32(2**-margin))``: the value an amax is mapped to
+    (Transformer Engine's order: the scaled max first, then the division by the amax)."""
+    margin = check_margin(margin, "scale_from_amax")
+    return np.float32(np.float32(get_format(fmt).max) * np.float32(2.0 ** (-margin)))
 
 
 def check_margin(margin: float, where: str = "margin") -> float:
@@ -257,28 +295,22 @@ def scale_from_amax(
     ``a = epsilon if amax < epsilon else amax``; ``s = float32(float32(fmt.max * 2**-margin) /
     a)`` (Transformer Engine's order: the scaled max first; for a whole margin the same as
     dividing the scale by ``2**margin`` afterwards); ``s = float32 max`` if ``s`` is inf;
-    ``pow2``: ``s`` rounded down to a power of two (the mantissa bits dropped). amax 0, +inf or
-    NaN (after the epsilon clamp) gives ``s = 1``. Negative amax is an error.
-    Returns a float32 array of ``amax``'s shape (0-d for a scalar).
+    ``pow2``: ``s`` rounded down to a power of two (the mantissa bits dropped; an ``s`` that
+    underflowed to 0, a huge amax under a margin near 126, stays 0). amax 0, +inf or NaN (after
+    the epsilon clamp) gives ``s = 1``. Negative amax is an error.
+    Returns a float32 array of ``amax``'s shape (0-d for a scalar). The rule itself is
+    :func:`scale_multiplier` (numba), which the analysis kernels call too.
     """
-    fmt = get_format(fmt)
     a = np.array(amax, dtype=np.float32)
     if np.any(a < 0):
         raise ValueError("scale_from_amax: amax must be >= 0 (it is a maximum of |x|)")
-    margin = check_margin(margin, "scale_from_amax")
+    scaled_max = scaled_format_max(fmt, margin)
     epsilon = float(epsilon)
     if not (math.isfinite(epsilon) and epsilon >= 0):
         raise ValueError(f"scale_from_amax: epsilon must be finite and >= 0, got {epsilon}")
-    a = np.where(a < np.float32(epsilon), np.float32(epsilon), a).astype(np.float32)
-    keep = ~np.isfinite(a) | (a == 0)
-    # Transformer Engine's order: scaled_max = fp8_max * 2**-margin first (float32), then / amax
-    scaled_max = np.float32(np.float32(fmt.max) * np.float32(2.0 ** (-margin)))
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        s = (scaled_max / np.where(keep, np.float32(1), a)).astype(np.float32)
-    s = np.where(np.isinf(s), _F32_MAX, s)
-    if pow2:
-        s = _pow2_floor(s)
-    return np.where(keep, np.float32(1), s).astype(np.float32)
+    out = np.empty(a.shape, np.float32)
+    _scale_multipliers(a.reshape(-1), scaled_max, np.float32(epsilon), bool(pow2), out.reshape(-1))
+    return out
 
 
 def mx_shared_scale(amax: Any, fmt: FloatFormat | str, rule: str = "floor") -> np.ndarray:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fp8sim
-from analysis.stats import LOG2_EXPONENTS, parse_variants, tensor_stats
+from analysis.stats import LOG2_EXPONENTS, Variant, parse_variants, tensor_stats
 from fp8sim.scaling import compute_amax, dequantize, quantize_scaled, scale_from_amax
 
 SCALINGS = ["none", "tensor", "row", "col", "block:16x16", "block:1x128", "mx", "mx:rceil"]
@@ -359,3 +359,33 @@ def test_long_rows_cut_into_chunks_give_the_whole_tensor_figures():
             ref = reference(x, v.fmt.name, v.scaling)
             assert (r.underflow, r.subnormal, r.lost) == (ref["underflow"], ref["subnormal"], ref["lost"])
             assert r.err2 == pytest.approx(ref["err2"], rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_one_call_path_equals_the_two_pass_path(dtype, monkeypatch):
+    # a tensor read as one chunk with only tensor/none variants takes both passes in one numba
+    # call, the scales from fp8sim.scaling.scale_multiplier inside it; adding a row variant sends
+    # the same tensor through pass A, Python's scales and pass B: the same parts and blocks, so
+    # the shared variants' figures are equal to the last bit
+    import analysis.stats as stats_mod
+
+    rng = np.random.default_rng(21)
+    x = _awkward_float32(rng, 300_000).astype(dtype)
+    fmt = fp8sim.get_format
+    vs = [Variant(fmt("e4m3"), "tensor"), Variant(fmt("e5m2"), "tensor", 1.0, True),
+          Variant(fmt("e3m2"), "tensor", -2.0), Variant(fmt("e4m3"), "none")]
+    two = tensor_stats(x, vs + [Variant(fmt("e4m3"), "row")])
+    with monkeypatch.context() as m:  # the one-call path runs neither pass on its own
+        m.setattr(stats_mod, "_pass_a", None)
+        m.setattr(stats_mod, "_pass_b", None)
+        one = tensor_stats(x, vs)
+    f_one, f_two = _figures(one), _figures(two)
+    assert f_one[0] == f_two[0] and f_one[1] == f_two[1][:4]
+    # and the scales are the scaling module's: amax from the finite values (an inf among them)
+    fin = np.isfinite(x)
+    assert one.variants[0].scale == 1.0  # the tensor holds an inf: scale 1
+    y = np.where(np.isinf(x), 0, x).astype(dtype)
+    one = tensor_stats(y, vs)
+    amax = np.float32(np.abs(y[fin]).max())
+    assert [v.scale for v in one.variants[:3]] == [
+        float(scale_from_amax(amax, v.fmt, margin=v.margin, pow2=v.pow2)) for v in vs[:3]]

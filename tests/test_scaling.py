@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fp8sim
+from fp8sim.formats import get_format
 from fp8sim.scaling import (
     Granularity,
     compute_amax,
@@ -185,6 +186,31 @@ def test_scale_from_amax_is_float32_division():
     # float64 division then one rounding equals the correctly rounded float32 division
     expect = np.float32(57344.0 / amax.astype(np.float64)) / np.float32(8)
     np.testing.assert_array_equal(s, expect)
+
+
+def test_scale_from_amax_equals_a_float64_formula_over_float32():
+    """The numba scale rule against an independent numpy one (float64 division rounded once to
+    float32, frexp/ldexp for pow2) over a million float32 amaxes: a stride through every bit
+    pattern, each power of two and its neighbours, and the specials."""
+    pats = np.arange(0, 0x7F800000, 4099, dtype=np.uint64)
+    pows = (np.arange(0, 255, dtype=np.uint64) << np.uint64(23)) | np.uint64(0)
+    pats = np.concatenate([pats, pows, pows + 1, np.maximum(pows, 1) - 1, [0x7F800000, 0x7FC00000]])
+    amax = pats.astype(np.uint32).view(np.float32)
+    for fmt, margin, pow2, eps in [("e4m3", 0, False, 0.0), ("e5m2", 3, True, 0.0),
+                                   ("e4m3", -2.5, False, 1e-12), ("e2m1", 0, True, 2.0**-140),
+                                   ("e4m3", 120, True, 0.0)]:  # subnormal scales
+        got = scale_from_amax(amax, fmt, margin=margin, pow2=pow2, epsilon=eps)
+        scaled_max = np.float32(np.float32(get_format(fmt).max) * np.float32(2.0**-margin))
+        a = np.where(amax < np.float32(eps), np.float32(eps), amax).astype(np.float64)
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            want = (np.float64(scaled_max) / a).astype(np.float32)
+        want = np.where(np.isinf(want), F32_MAX, want).astype(np.float32)
+        if pow2:
+            # a quotient that underflows to 0 stays 0 (no power of two is <= 0)
+            want = np.where(want > 0, np.ldexp(np.float32(1), np.frexp(want)[1] - 1), 0)
+            want = want.astype(np.float32)
+        want = np.where(np.isfinite(a) & (a > 0), want, np.float32(1))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=fmt)
 
 
 def test_scale_from_amax_rejects():
