@@ -133,6 +133,24 @@ def _check_json_dest(dest: str | None) -> None:
         raise ValueError(f"--json {dest}: not writable")
 
 
+def _each_file_once(paths: list[str]) -> tuple[list[str], list[dict]]:
+    """The paths with each file or trace once (its first spelling), however often it was reached
+    (given twice, through a link, or inside a given directory as well), and a note per repeat:
+    a file analyzed twice would count every figure twice, and a shard given twice would keep
+    its companion scale as a tensor of its own in the second copy."""
+    first: dict[str, str] = {}
+    kept, repeats = [], []
+    for p in paths:
+        key = os.path.realpath(p)
+        if key in first:
+            repeats.append({"file": p, "name": "",
+                            "note": f"the same file as {first[key]}: analyzed once"})  # fmt: skip
+        else:
+            first[key] = p
+            kept.append(p)
+    return kept, repeats
+
+
 def _check_json_not_an_input(dest: str | None, files: list[str] = ()) -> None:
     """Refuse a ``--json`` destination that is one of the ``files`` read, or lies inside an
     fp8sim trace directory: the JSON would overwrite the data it was made from."""
@@ -171,14 +189,13 @@ def _write_json(dest: str, obj: Any) -> None:
         raise ValueError(f"--json {dest}: cannot write ({exc.strerror or exc})") from None
 
 
-def _plot_dir(d: str | None) -> str | None:
+def _plot_dir(d: str | None):
+    """The run's :class:`analysis.plots.PlotDir` (None without --plot)."""
     if d is None:
         return None
-    try:
-        os.makedirs(d, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--plot {d}: cannot create directory ({exc.strerror or exc})") from None
-    return d
+    from analysis.plots import PlotDir
+
+    return PlotDir(d)
 
 
 def _progress(total: int, enabled: bool, unit: str):
@@ -249,7 +266,7 @@ def _trace_rows(dump, th) -> tuple[list[dict], dict]:
     return rows, {"names": names, "steps": steps, **mats}
 
 
-def _histogram_plot(plot_dir: str, index: int, st, file: str) -> None:
+def _histogram_plot(plot_dir, index: int, st, file: str) -> None:
     from analysis.plots import plot_log2_histogram, safe_name
     from analysis.stats import LOG2_EXPONENTS
     from fp8sim.formats import get_format
@@ -260,7 +277,7 @@ def _histogram_plot(plot_dir: str, index: int, st, file: str) -> None:
         s = v.scale if v.scale and math.isfinite(v.scale) else 1.0
         tag = "" if v.scaling in ("none", "tensor") else " (smallest group scale)"
         windows.append((f"{v.format} {v.scaling} x{s:.3g}{tag}", fmt.min_subnormal / s, fmt.max / s))
-    path = os.path.join(plot_dir, safe_name(st.name, index) + ".png")
+    path = plot_dir.path(safe_name(st.name, index) + ".png")
     plot_log2_histogram(path, f"{st.name} ({os.path.basename(file)})", LOG2_EXPONENTS,
                         st.log2_counts, windows)  # fmt: skip
 
@@ -310,6 +327,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     if not paths and not errors:
         raise ValueError(f"no dump files found in {', '.join(args.paths)}")
     _check_json_not_an_input(args.json, paths)
+    paths, repeats = _each_file_once(paths)
 
     dumps = []
     for path in paths:
@@ -317,7 +335,7 @@ def run_analyze(args: argparse.Namespace) -> int:
             dumps.append(open_dump(path))
         except ValueError as exc:
             bad(path, exc)
-    notes: list[dict] = link_fp8_scales(dumps, args.fp8_scales, fp8_block, bad)
+    notes: list[dict] = repeats + link_fp8_scales(dumps, args.fp8_scales, fp8_block, bad)
     total = 2 * sum(t.numel for d in dumps for t in d.tensors if t.is_float)
     show = bool(args.json is None and sys.stderr.isatty())
     records: list[dict] = []
@@ -342,7 +360,7 @@ def run_analyze(args: argparse.Namespace) -> int:
                     base = safe_name(os.path.basename(os.path.normpath(dump.path)), plot_index)
                     plot_index += 1
                     for key in ("underflow", "overflow"):
-                        plot_heatmap(os.path.join(plot_dir, f"{base}_trace_{key}.png"),
+                        plot_heatmap(plot_dir.path(f"{base}_trace_{key}.png"),
                                      f"{dump.path}: recorded {key} share (%)", heat["names"],
                                      heat["steps"], heat[key])  # fmt: skip
             for src in dump.tensors:
@@ -372,6 +390,8 @@ def run_analyze(args: argparse.Namespace) -> int:
                     plot_index += 1
     finally:
         bar.close()
+    if plot_dir:
+        plot_dir.finish()
 
     records = sort_worst_first(records)
     trace_rows = [r for t in traces for r in t["tensors"]]
@@ -402,7 +422,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         if not records and not traces:
             print("no float tensors analyzed")
     for n in notes:
-        _msg(f"note: {n['file']}: {n['name']}: {n['note']}")
+        _msg(f"note: {n['file']}: " + (f"{n['name']}: " if n["name"] else "") + n["note"])
     _msg(f"{counts['critical']} critical, {counts['warning']} warning, {counts['ok']} ok")
     if errors:
         _msg(f"bad files ({len(errors)}):")
@@ -543,16 +563,17 @@ def run_replay(args: argparse.Namespace) -> int:
     if plot_dir:
         from analysis.plots import plot_heatmap, plot_policy_summary, safe_name
 
-        plot_policy_summary(os.path.join(plot_dir, "policies.png"), summaries)
+        plot_policy_summary(plot_dir.path("policies.png"), summaries)
         for i, rp in enumerate(replays):
             if rp.cols["step"].size == 0:
                 continue
             base = safe_name(rp.policy, i)
             for what in ("underflow_share", "overflow_share"):
                 steps, mat = rp.grid(what)
-                plot_heatmap(os.path.join(plot_dir, f"{base}_{what}.png"),
+                plot_heatmap(plot_dir.path(f"{base}_{what}.png"),
                              f"{rp.policy}: {what.replace('_', ' ')} (%)", rp.names, steps,
                              100.0 * mat)  # fmt: skip
+        plot_dir.finish()
     _msg(f"replayed {n_records} records under {n_pol} policies")
     if crossed:
         rule, pol, name, step = crossed[0]

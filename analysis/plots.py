@@ -6,10 +6,13 @@
 * :func:`plot_policy_summary`: events and worst underflow per policy.
 
 File names are made safe (``safe_name``) and numbered so tensors with similar names never collide.
+A run's plot directory is a :class:`PlotDir`: it lists the PNGs it wrote in
+``fp8sim-plots.json`` and removes those of the previous run there that it did not write again.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -17,9 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
-from fp8sim.atomic_file import save_figure
+from fp8sim.atomic_file import atomic_write, save_figure
 
-__all__ = ["plot_log2_histogram", "plot_heatmap", "plot_policy_summary", "safe_name"]
+__all__ = ["PlotDir", "plot_log2_histogram", "plot_heatmap", "plot_policy_summary", "safe_name"]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -28,6 +31,67 @@ def safe_name(name: str, index: int | None = None, limit: int = 80) -> str:
     s = _SAFE.sub("_", name).strip("._") or "tensor"
     s = s[:limit]
     return f"{index:04d}_{s}" if index is not None else s
+
+
+class PlotDir:
+    """The ``--plot`` directory of one run (made if missing).
+
+    Each PNG goes to :meth:`path`, which records its name. :meth:`finish` writes the names to
+    ``fp8sim-plots.json`` and then deletes the PNGs that the previous run's list names and this
+    run did not write again, so the directory never mixes two runs' plots. Nothing else is ever
+    deleted: only ``.png`` names of that directory (no path) that the list of an earlier run
+    holds; an unreadable list deletes nothing. A run stopped before :meth:`finish` leaves the old
+    list: its new PNGs stay, nothing is lost.
+    """
+
+    MANIFEST = "fp8sim-plots.json"
+
+    def __init__(self, directory: str, option: str = "--plot"):
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{option} {directory}: cannot create directory "
+                             f"({exc.strerror or exc})") from None  # fmt: skip
+        self.dir = directory
+        self._written: list[str] = []
+        self._before = self._listed()
+
+    def _listed(self) -> list[str]:
+        try:
+            with open(os.path.join(self.dir, self.MANIFEST), "rb") as f:
+                doc = json.loads(f.read(1 << 24))
+        except (OSError, ValueError, RecursionError):
+            return []
+        if not isinstance(doc, dict) or doc.get("schema") != "fp8sim-plots":
+            return []
+        names = doc.get("png")
+        if not isinstance(names, list):
+            return []
+        return [n for n in names if isinstance(n, str) and _plain_png(n)]
+
+    def path(self, name: str) -> str:
+        """Where the PNG ``name`` (a bare file name ending in .png) goes; recorded."""
+        if not _plain_png(name):
+            raise ValueError(f"plot name {name!r}: expected a bare file name ending in .png")
+        self._written.append(name)
+        return os.path.join(self.dir, name)
+
+    def finish(self) -> None:
+        """Write this run's list, then delete the previous run's PNGs it did not write again."""
+        doc = {"schema": "fp8sim-plots", "png": sorted(set(self._written))}
+        atomic_write(os.path.join(self.dir, self.MANIFEST),
+                     lambda f: f.write(json.dumps(doc, indent=1).encode()),
+                     follow_symlinks=False)  # fmt: skip
+        for name in sorted(set(self._before) - set(self._written)):
+            try:
+                os.unlink(os.path.join(self.dir, name))  # a link: the link only
+            except FileNotFoundError:
+                pass
+
+
+def _plain_png(name: str) -> bool:
+    return (name.endswith(".png") and os.path.basename(name) == name and "/" not in name
+            and "\\" not in name and name not in (".png",))  # fmt: skip
 
 
 def _plt():

@@ -16,22 +16,26 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write, follow_symlinks: bool = True) -> None:
     """Write through ``write(fileobj)`` so that ``path`` holds either its old content or the whole
     new one, never a part.
 
     A regular file, or a path that does not exist yet, is written to a temporary file in its
-    directory, fsynced and renamed over it. A symbolic link is followed: the file it points to is
-    replaced and the link stays a link. An existing path that is not a regular file (a device
-    such as ``/dev/null``, a FIFO) is written in place: a rename would put a regular file where
-    the device node was (as root, ``--json /dev/null`` would have replaced ``/dev/null``).
-    A replaced file keeps its permissions; a new one gets ``0o666 & ~umask``, as ``open`` gives.
+    directory, fsynced and renamed over it. A symbolic link is followed (a path the user named:
+    the file it points to is replaced and the link stays a link), or with
+    ``follow_symlinks=False`` (a name the program made up) replaced by the new file. An existing
+    path that is not a regular file (a device such as ``/dev/null``, a FIFO) is written in place:
+    a rename would put a regular file where the device node was (as root, ``--json /dev/null``
+    would have replaced ``/dev/null``). A replaced file keeps its permissions; a new one gets
+    ``0o666 & ~umask``, as ``open`` gives.
     """
-    path = Path(os.path.realpath(path))
+    path = Path(os.path.realpath(path) if follow_symlinks else os.path.abspath(path))
     try:
-        mode = os.stat(path).st_mode
+        mode = os.stat(path).st_mode if follow_symlinks else os.lstat(path).st_mode
     except FileNotFoundError:
         mode = None
+    if mode is not None and stat.S_ISLNK(mode):
+        mode = None  # not followed: the link itself is replaced
     if mode is not None and stat.S_ISDIR(mode):
         raise IsADirectoryError(21, "Is a directory", str(path))
     if mode is not None and not stat.S_ISREG(mode):
@@ -58,5 +62,6 @@ def atomic_write(path: Path, write) -> None:
 
 def save_figure(fig, path, **kw) -> None:
     """A matplotlib figure as a PNG at ``path`` through :func:`atomic_write` (a failed or
-    interrupted save keeps the old file)."""
-    atomic_write(Path(path), lambda f: fig.savefig(f, format="png", **kw))
+    interrupted save keeps the old file). Plot names are the program's, in a plot directory: a
+    symbolic link found there is replaced by the PNG, never followed to write elsewhere."""
+    atomic_write(Path(path), lambda f: fig.savefig(f, format="png", **kw), follow_symlinks=False)

@@ -102,6 +102,34 @@ def test_plots_and_json_to_stdout(dumps, tmp_path, capsys):
     assert [p.name for p in pngs] == ["0000_hot.png"] and pngs[0].read_bytes()[:8] == PNG
 
 
+def test_a_plot_directory_holds_one_runs_plots_and_never_writes_through_links(dumps, tmp_path,
+                                                                              capsys):
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    mine = plots / "notes.png"  # the user's own file: never listed, never touched
+    mine.write_bytes(b"mine")
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(b"keep")
+    (plots / "0001_tiny.png").symlink_to(outside)  # a link where a plot goes: replaced
+    rc, _, err = run(capsys, "analyze", str(dumps), "--plot", str(plots))
+    assert rc == 0, err
+    assert outside.read_bytes() == b"keep" and not (plots / "0001_tiny.png").is_symlink()
+    assert sorted(p.name for p in plots.glob("*.png")) == ["0000_hot.png", "0001_tiny.png", "notes.png"]
+    listed = json.loads((plots / "fp8sim-plots.json").read_text())["png"]
+    assert listed == ["0000_hot.png", "0001_tiny.png"]
+    # the next run into the same directory: the plots of the first that it does not write go
+    rc, _, err = run(capsys, "analyze", str(dumps / "a.safetensors"), "--plot", str(plots))
+    assert rc == 0, err
+    assert sorted(p.name for p in plots.glob("*.png")) == ["0000_hot.png", "notes.png"]
+    assert mine.read_bytes() == b"mine"
+    # a list that names what is not a bare .png of the directory deletes nothing of it
+    (plots / "fp8sim-plots.json").write_text(json.dumps(
+        {"schema": "fp8sim-plots", "png": ["../outside.png", "notes.png", str(outside)]}))
+    rc, _, err = run(capsys, "analyze", str(dumps / "a.safetensors"), "--plot", str(plots))
+    assert rc == 0 and outside.exists()
+    assert not mine.exists()  # "notes.png" was listed as the previous run's plot: it goes
+
+
 @pytest.fixture()
 def trace(tmp_path):
     rng = np.random.default_rng(2)

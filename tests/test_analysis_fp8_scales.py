@@ -405,3 +405,24 @@ def test_requantizing_with_the_checkpoint_blocks_is_near_lossless(tmp_path):
     by = {r["scaling"]: r for r in json.loads(out)["records"]}
     assert rc == 0 and by["block:128x128"]["overflow"] == 0
     assert by["block:128x128"]["sqnr_db"] > 100 > by["block:1x32"]["sqnr_db"]
+
+
+def test_a_file_given_twice_is_analyzed_once(tmp_path):
+    # the scales' shard given twice (by name, then inside its directory): its companion is
+    # taken by the weight once and never analyzed as a tensor of its own; the repeat is noted
+    w = weights((130, 260), seed=6)
+    q, s = quantize_blocks(w, 128, 128)
+    save_file({"w": q}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    second = tmp_path / "model-00002-of-00002.safetensors"
+    save_file({"w_scale_inv": s, "other": torch.ones(4)}, str(second))
+    (tmp_path / "link.safetensors").symlink_to(second)
+    rc, out, err = analyze(second, tmp_path, "--fp8-scales", "apply", "--format", "e4m3",
+                           "--json", "-")  # fmt: skip
+    doc = json.loads(out)
+    assert rc == 0 and sorted(r["name"] for r in doc["records"]) == ["other", "w"]
+    repeats = [n for n in doc["notes"] if "analyzed once" in n["note"]]
+    # the shard by its name in the directory, and the link to it
+    assert sorted(n["file"] for n in repeats) == sorted([str(tmp_path / "link.safetensors"), str(second)])
+    rc, out, err = analyze(second, second, "--format", "e4m3")
+    assert rc == 0 and f"note: {second}: the same file as {second}: analyzed once" in err
+    assert out.count("other") == 1
