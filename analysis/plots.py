@@ -36,12 +36,14 @@ def safe_name(name: str, index: int | None = None, limit: int = 80) -> str:
 class PlotDir:
     """The ``--plot`` directory of one run (made if missing).
 
-    Each PNG goes to :meth:`path`, which records its name. :meth:`finish` writes the names to
-    ``fp8sim-plots.json`` and then deletes the PNGs that the previous run's list names and this
-    run did not write again, so the directory never mixes two runs' plots. Nothing else is ever
-    deleted: only ``.png`` names of that directory (no path) that the list of an earlier run
-    holds; an unreadable list deletes nothing. A run stopped before :meth:`finish` leaves the old
-    list: its new PNGs stay, nothing is lost.
+    ``fp8sim-plots.json`` lists the PNGs of the directory's last run. Each PNG goes to
+    :meth:`path`, which adds its name to that list before the PNG is written; :meth:`finish`
+    then leaves only this run's names in the list and deletes the PNGs of earlier runs that
+    this run did not write again, so the directory never mixes two runs' plots (a run stopped
+    before :meth:`finish` leaves both runs' names listed: the next run clears them). Nothing else
+    is ever deleted: only bare ``.png`` names of that directory that the list holds (not one
+    this run wrote in another letter case, not a directory; an entry that cannot be removed is
+    left); an unreadable list deletes nothing.
     """
 
     MANIFEST = "fp8sim-plots.json"
@@ -69,29 +71,40 @@ class PlotDir:
             return []
         return [n for n in names if isinstance(n, str) and _plain_png(n)]
 
-    def path(self, name: str) -> str:
-        """Where the PNG ``name`` (a bare file name ending in .png) goes; recorded."""
-        if not _plain_png(name):
-            raise ValueError(f"plot name {name!r}: expected a bare file name ending in .png")
-        self._written.append(name)
-        return os.path.join(self.dir, name)
-
-    def finish(self) -> None:
-        """Write this run's list, then delete the previous run's PNGs it did not write again."""
-        doc = {"schema": "fp8sim-plots", "png": sorted(set(self._written))}
+    def _write_list(self, names: list[str]) -> None:
+        doc = {"schema": "fp8sim-plots", "png": sorted(set(names))}
         atomic_write(os.path.join(self.dir, self.MANIFEST),
                      lambda f: f.write(json.dumps(doc, indent=1).encode()),
                      follow_symlinks=False)  # fmt: skip
-        for name in sorted(set(self._before) - set(self._written)):
+
+    def path(self, name: str) -> str:
+        """Where the PNG ``name`` (a bare file name ending in .png) goes; listed first."""
+        if not _plain_png(name):
+            raise ValueError(f"plot name {name!r}: expected a bare file name ending in .png")
+        if name not in self._written:
+            self._written.append(name)
+            self._write_list(self._before + self._written)
+        return os.path.join(self.dir, name)
+
+    def finish(self) -> None:
+        """List only this run's PNGs, then delete the earlier runs' that it did not write."""
+        self._write_list(self._written)
+        mine = {n.casefold() for n in self._written}
+        for name in sorted(set(self._before)):
+            if name.casefold() in mine:
+                continue
+            p = os.path.join(self.dir, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                continue
             try:
-                os.unlink(os.path.join(self.dir, name))  # a link: the link only
-            except FileNotFoundError:
-                pass
+                os.unlink(p)  # a link: the link only
+            except OSError:
+                pass  # gone already, or not ours to remove (permissions): left as it is
 
 
 def _plain_png(name: str) -> bool:
     return (name.endswith(".png") and os.path.basename(name) == name and "/" not in name
-            and "\\" not in name and name not in (".png",))  # fmt: skip
+            and "\\" not in name and "\0" not in name and name != ".png")  # fmt: skip
 
 
 def _plt():

@@ -249,8 +249,12 @@ def _pow2_floor_f32(s):
 
 @jit_scalar
 def scale_multiplier(amax, scaled_max, epsilon, pow2):
-    """The scale rule of :func:`scale_from_amax` for one float32 ``amax`` (numba code and
-    Python): ``scaled_max`` is :func:`scaled_format_max`, ``epsilon`` a float32 >= 0."""
+    """The scale rule of :func:`scale_from_amax` for one ``amax`` (numba code and Python):
+    ``scaled_max`` is :func:`scaled_format_max`, ``epsilon`` >= 0; all three are taken to
+    float32 first, and the result is a float32."""
+    amax = np.float32(amax)
+    scaled_max = np.float32(scaled_max)
+    epsilon = np.float32(epsilon)
     a = epsilon if amax < epsilon else amax
     if not (a < np.inf) or a == np.float32(0):  # NaN, inf or 0: scale 1
         return np.float32(1)
@@ -301,6 +305,7 @@ def scale_from_amax(
     Returns a float32 array of ``amax``'s shape (0-d for a scalar). The rule itself is
     :func:`scale_multiplier` (numba), which the analysis kernels call too.
     """
+    fmt = get_format(fmt)
     a = np.array(amax, dtype=np.float32)
     if np.any(a < 0):
         raise ValueError("scale_from_amax: amax must be >= 0 (it is a maximum of |x|)")

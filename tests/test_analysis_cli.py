@@ -5,6 +5,7 @@ rules (classes, --fail-on parsing)."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -158,6 +159,58 @@ def test_analyze_trace(trace, tmp_path, capsys):
     names = sorted(p.name for p in plots.glob("*.png"))
     assert "0000_trace_trace_underflow.png" in names and "0000_trace_trace_overflow.png" in names
     assert "trace " in out
+
+
+def test_hard_links_and_files_inside_a_given_trace_are_analyzed_once(dumps, trace, tmp_path,
+                                                                      capsys):
+    os.link(dumps / "tiny.npy", tmp_path / "hard.npy")
+    saved = sorted((trace / "tensors").iterdir())[0]  # a tensor the trace saved: part of it
+    js = tmp_path / "o.json"
+    rc, _, err = run(capsys, "analyze", str(dumps / "tiny.npy"), str(tmp_path / "hard.npy"),
+                     str(trace), str(saved), "--json", str(js))  # fmt: skip
+    assert rc == 0, err
+    doc = json.loads(js.read_text())
+    names = [r["name"] for r in doc["records"]]  # a record per tensor x format (e4m3, e5m2)
+    assert sorted(names) == ["a@step3", "a@step3", "tiny", "tiny"]
+    notes = {n["file"]: n["note"] for n in doc["notes"]}
+    assert notes[str(tmp_path / "hard.npy")] == f"the same file as {dumps / 'tiny.npy'}: analyzed once"
+    assert notes[str(saved)] == f"inside the trace {trace}: analyzed with it"
+
+
+def test_plot_lists_with_odd_entries_delete_nothing_they_should_not(dumps, tmp_path, capsys):
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    (plots / "sub.png").mkdir()  # listed, but a directory: left
+    (plots / "0000_HOT.png").write_bytes(b"old")  # listed; this run writes 0000_hot.png
+    (plots / "fp8sim-plots.json").write_text(json.dumps(
+        {"schema": "fp8sim-plots", "png": ["sub.png", "nul\u0000.png", "0000_HOT.png"]}))
+    js = tmp_path / "o.json"
+    rc, _, err = run(capsys, "analyze", str(dumps / "a.safetensors"), "--plot", str(plots),
+                     "--json", str(js))  # fmt: skip
+    assert rc == 0, err
+    assert js.exists() and (plots / "sub.png").is_dir() and (plots / "0000_hot.png").exists()
+    # on a case-insensitive file system 0000_HOT.png is the new 0000_hot.png: never deleted
+    assert (plots / "0000_HOT.png").exists()
+
+
+def test_a_plot_is_listed_before_it_is_written(tmp_path):
+    # a run stopped after some plots leaves them listed with the earlier run's: the next run
+    # clears both
+    from analysis.plots import PlotDir
+
+    d = tmp_path / "p"
+    first = PlotDir(str(d))
+    (d / "0000_a.png").write_bytes(b"1")
+    first.path("0000_a.png")
+    first.finish()
+    stopped = PlotDir(str(d))
+    (d / stopped.path("0000_b.png")).write_bytes(b"2")  # then interrupted: no finish()
+    listed = json.loads((d / "fp8sim-plots.json").read_text())["png"]
+    assert listed == ["0000_a.png", "0000_b.png"]
+    nxt = PlotDir(str(d))
+    (d / nxt.path("0000_c.png")).write_bytes(b"3")
+    nxt.finish()
+    assert sorted(p.name for p in d.glob("*.png")) == ["0000_c.png"]
 
 
 def test_replay_cli(trace, tmp_path, capsys):

@@ -211,11 +211,19 @@ def test_scale_from_amax_equals_a_float64_formula_over_float32():
             want = want.astype(np.float32)
         want = np.where(np.isfinite(a) & (a > 0), want, np.float32(1))
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=fmt)
+    # the scalar rule takes Python floats to float32 first, as scale_from_amax does
+    from fp8sim.scaling import scale_multiplier, scaled_format_max
+
+    with np.errstate(over="ignore"):  # 1e39 becomes float32 inf
+        for a in (1e-46, 3.0000001, 1e39):
+            assert scale_multiplier(a, scaled_format_max("e4m3"), 0.0, False) == scale_from_amax(a, "e4m3")
 
 
 def test_scale_from_amax_rejects():
     with pytest.raises(ValueError, match=">= 0"):
         scale_from_amax(-1.0, "e4m3")
+    with pytest.raises(ValueError, match="unknown format"):  # the format is checked first
+        scale_from_amax(-1.0, "e9m9x", margin=200)
     with pytest.raises(ValueError, match="margin"):
         scale_from_amax(1.0, "e4m3", margin=float("nan"))
     with pytest.raises(ValueError, match="epsilon"):
