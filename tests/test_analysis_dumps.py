@@ -190,7 +190,9 @@ _RSS_SCRIPT = textwrap.dedent(
                 return int(line.split()[1]) // 1024
 
     vs = parse_variants(["e4m3"], ["tensor", "block:1x128"])
-    tensor_stats(np.ones((4, 256), np.float32), vs)  # imports and compiled code in place
+    # imports and compiled code in place: the parallel kernels too (4 parts; a tensor of one
+    # part would take their serial twins)
+    tensor_stats(np.ones((4, 1 << 16), np.float32), vs)
     d = open_dump(sys.argv[1])
     (t,) = d.tensors
     t.read(0, 1)
