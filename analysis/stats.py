@@ -466,7 +466,8 @@ def tensor_stats(
             sqnr, rel = math.nan, math.nan
         elif e_m == 0.0:
             sqnr, rel = math.inf, 0.0
-        elif math.isinf(e_m):  # a dequantized value overflowed float32 (scale_inv near its max)
+        elif not math.isfinite(e_m):  # a dequantized value overflowed float32 (scale_inv near
+            # its max), or is NaN (0 x inf: a scale that underflowed to 0, a margin near 126)
             sqnr, rel = -math.inf, math.inf
         elif s_m > 0:
             sqnr = 10.0 * (math.log10(s_m / e_m) + (s_e - e_e) * math.log10(2.0))

@@ -477,7 +477,8 @@ def quantize_scaled(
             mult = np.float32(1) / scale_inv  # exact: powers of two in [2**-127, 2**127]
         else:
             mult = scale_from_amax(amax, fmt, margin=margin, pow2=pow2, epsilon=epsilon)
-            scale_inv = (np.float32(1) / mult).astype(np.float32)
+            with np.errstate(divide="ignore", over="ignore"):  # a scale 0 (or tiny): inf
+                scale_inv = (np.float32(1) / mult).astype(np.float32)
     else:
         nan_count = int(np.isnan(x2d).sum())
         mult = _given_scale(scale, gran, grid2d)
@@ -505,13 +506,15 @@ def dequantize(st: ScaledTensor, dtype: Any = np.float32) -> np.ndarray:
     """``decode(codes) * scale_inv`` per element: exact in float64, rounded once for float32.
 
     Other dtypes (float16, bfloat16) are cast from the float32 result, as a GPU kernel that
-    computes in float32 does. NaN scales (MX) make their whole block NaN.
+    computes in float32 does. NaN scales (MX) make their whole block NaN; an infinite
+    scale_inv (a scale that underflowed to 0) makes its zeros NaN (0 x inf) and the rest inf.
     """
     dtype = np.dtype(dtype)
     gran = parse_granularity(st.granularity)
     m, n = view2d(st.shape)
     values = decode(st.codes, st.fmt, dtype=np.float64).reshape(m, n)
-    out = values * _expand(np.asarray(st.scale_inv, np.float64), gran, m, n)
+    with np.errstate(invalid="ignore"):  # 0 x inf
+        out = values * _expand(np.asarray(st.scale_inv, np.float64), gran, m, n)
     out = out.reshape(st.shape)
     if dtype == np.float64:
         return out

@@ -294,6 +294,19 @@ def test_dequantized_overflow_gives_infinite_error_not_a_crash():
         assert st.records()[0]["sqnr_db"] is None
 
 
+def test_a_scale_that_underflowed_to_zero_gives_an_infinite_error():
+    # margin 126 and a huge amax: 448 * 2**-126 / 3e38 underflows to a scale of 0 (pow2 keeps
+    # it 0); scale_inv is inf and 0 x inf NaN, as dequantize gives it -- an undefined error,
+    # reported as the worst (never as "no finite value")
+    x = np.array([3e38, 1.0, -2.0, 0.0], np.float32)
+    for pow2 in (False, True):
+        (v,) = tensor_stats(x, [Variant(fp8sim.get_format("e4m3"), "tensor", 126.0, pow2)]).variants
+        assert v.scale == 0.0 and v.underflow == 3 and v.overflow == 0
+        assert v.sqnr_db == -math.inf and v.rel_mse == math.inf
+        deq = dequantize(quantize_scaled(x, "e4m3", "tensor", margin=126, pow2=pow2, saturate=True))
+        assert not np.isfinite(deq).any()
+
+
 def test_column_tiles_sum_their_errors_pairwise():
     # col scaling casts one element per row at a time; the block's squared errors are still
     # summed as one pairwise sum, not one by one (hand check against math.fsum)
