@@ -402,3 +402,9 @@ def test_the_one_call_path_equals_the_two_pass_path(dtype, monkeypatch):
     amax = np.float32(np.abs(y[fin]).max())
     assert [v.scale for v in one.variants[:3]] == [
         float(scale_from_amax(amax, v.fmt, margin=v.margin, pow2=v.pow2)) for v in vs[:3]]
+    # and the figures are the emulator's on the whole tensor
+    for r, scaling in ((one.variants[0], "tensor"), (one.variants[3], "none")):
+        ref = reference(y, "e4m3", scaling)
+        assert (r.underflow, r.subnormal, r.lost) == (ref["underflow"], ref["subnormal"], 0)
+        assert r.overflow == ref["overflow"] and r.scale == ref["scale"]
+        assert r.err2 == pytest.approx(ref["err2"], rel=1e-12, abs=0)
