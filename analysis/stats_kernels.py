@@ -34,8 +34,8 @@ __all__ = ["N_LOG2", "_HIGH_EXP", "_pass_a", "_pass_b", "_parts"]
 def _parts(n: int) -> int:
     """Parts of a chunk of n elements: 64 Ki elements or more each, at most 64, whatever the
     thread count (so the figures, summed part by part in order, do not depend on it). The
-    threads take parts as they finish the previous one (``_run``):
-    on a shared machine one slow thread then costs its share of the time, not half the pass."""
+    threads take parts as they finish the previous one (``_run``): on a shared machine one slow
+    thread then costs its share of the time, not half the pass."""
     return max(1, min(64, n // (1 << 16)))
 
 
