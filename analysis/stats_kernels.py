@@ -222,7 +222,8 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base
             _scan_range(x, b0, b1, buf, base, sig2, copies, hsub)
         done[:] = False
         if b1 - b0 == _BLOCK:
-            nxt = x[b1 : min(e, b1 + _BLOCK)]  # prefetched by the first kernel
+            nxt = x[b1 : min(x.size, b1 + _BLOCK)]  # prefetched by the first kernel (past the
+            # part's end too: the next part is often this thread's next)
             for j in range(0, n_full, 2):
                 a = full[j]
                 if j + 1 < n_full:
