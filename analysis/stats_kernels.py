@@ -9,8 +9,8 @@ variant's cast figures (and the format-independent ones when pass A did not run)
 block, so each L1-sized block is loaded from memory once and every variant's cast reads it from
 L1. :func:`_whole_tensor`: both passes, and the whole-tensor scales between them, in one call.
 
-Each pass splits a chunk into parts whose number depends on the chunk's size only (``prange``
-over the parts, taken by the threads one at a time; each part writes only its own outputs, summed
+Each pass splits a chunk into parts whose number depends on the chunk's size only (``prange`` over
+the parts, taken by the threads in runs as they finish; each part writes only its outputs, summed
 in part order, so the figures depend neither on thread timing nor on the thread count), each part
 into blocks of ``_BLOCK`` elements. Float32 and float64 input give the same figures on the same
 values, to the last bit (tested).
