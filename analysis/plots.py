@@ -103,8 +103,8 @@ class PlotDir:
 
 
 def _plain_png(name: str) -> bool:
-    return (name.endswith(".png") and os.path.basename(name) == name and "/" not in name
-            and "\\" not in name and "\0" not in name and name != ".png")  # fmt: skip
+    return (name.endswith(".png") and os.path.basename(name) == name and "\\" not in name
+            and "\0" not in name and name != ".png")  # fmt: skip
 
 
 def _plt():

@@ -25,7 +25,7 @@ from analysis.stats_blocks import _BLOCK, _HIGH_EXP, N_HIST_COPIES, N_LOG2
 from analysis.stats_blocks import _cast, _pairwise_sum, _scan, _tile_amax
 from analysis.stats_full import _cast_full, _cast_full_pair, _cast_thresholds
 from fp8sim._bitcast import bits_f32
-from fp8sim._jit import jit_kernel, jit_serial, serial_twin
+from fp8sim._jit import PARALLEL_MIN_ELEMENTS, jit_kernel, jit_serial, serial_twin
 from fp8sim.scaling import scale_multiplier
 from fp8sim.abs_histogram import EXPONENT_MIN
 
@@ -97,22 +97,16 @@ def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, base, sig2, hist, 
         c = 0
 
 
-_SERIAL_TWINS: dict = {}
-
-
 def _run(kernel, x, n_parts, *args):
     """Run a ``prange``-over-parts kernel ``kernel(x, n_parts, ...)`` with dynamic scheduling:
     the threads take runs of consecutive parts, about two runs each, as they finish the previous
     one (a run of one part costs a few microseconds of scheduling and restarts the memory stream;
-    a thread slowed down by the host still costs only its share). A chunk of one part runs the
-    kernel's serial twin (waking the thread pool took 34 us where the whole one-call kernel on
-    4096 elements took 10.5 us serially). The schedule never changes the figures: each part
-    writes its own outputs, summed in part order."""
-    if n_parts == 1:
-        twin = _SERIAL_TWINS.get(kernel)
-        if twin is None:
-            twin = _SERIAL_TWINS[kernel] = serial_twin(kernel)
-        return twin(x, n_parts, *args)
+    a thread slowed down by the host still costs only its share). Below
+    ``PARALLEL_MIN_ELEMENTS`` (one part) the kernel's serial twin runs (waking the thread pool
+    took 34 us where the whole one-call kernel on 4096 elements took 10.5 us serially). The
+    schedule never changes the figures: each part writes its own outputs, summed in part order."""
+    if x.size < PARALLEL_MIN_ELEMENTS:
+        return _SERIAL_TWINS[kernel](x, n_parts, *args)
     with numba.parallel_chunksize(max(1, n_parts // (2 * numba.get_num_threads()))):
         return kernel(x, n_parts, *args)
 
@@ -390,6 +384,10 @@ def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
     totals, counts, err2 = _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs,
                                 x.dtype == np.float32, scan)  # fmt: skip
     return (totals if scan else None), counts, err2
+
+
+# serial twins for small chunks (see fp8sim._jit.PARALLEL_MIN_ELEMENTS)
+_SERIAL_TWINS = {k: serial_twin(k) for k in (_pass_a_kernel, _pass_b_kernel, _whole_tensor_kernel)}
 
 
 def _whole_tensor(x, ncols, vint, vflt, scaled_max, pow2, n_parts):
