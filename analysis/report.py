@@ -23,6 +23,7 @@ __all__ = [
     "Thresholds",
     "classify",
     "sort_worst_first",
+    "sqnr_value",
     "format_table",
     "FailRule",
     "parse_fail_on",
@@ -85,16 +86,34 @@ def classify(rec: dict[str, Any], th: Thresholds = Thresholds()) -> str:
     return "ok"
 
 
+def sqnr_value(rec: dict[str, Any], metric: str = "sqnr_db") -> float | None:
+    """A record's ``sqnr_db`` or ``rel_mse`` as a float, its non-finite values restored from
+    ``sqnr_case`` (:func:`analysis.stats.sqnr_case`): exact gives +inf dB (rel_mse 0), unbounded
+    -inf dB (rel_mse inf); None when undefined (no finite value). Records without ``sqnr_case``
+    (older JSON) tell only exact (rel_mse 0) from the rest."""
+    v = rec.get(metric)
+    if v is not None:
+        return v
+    case = rec.get("sqnr_case")
+    if case is None:
+        case = "exact" if rec.get("rel_mse") == 0 else "undefined"
+    if case == "exact":
+        return math.inf if metric == "sqnr_db" else 0.0
+    if case == "unbounded":
+        return -math.inf if metric == "sqnr_db" else math.inf
+    return None
+
+
 def sort_worst_first(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """By class, then overflow share, underflow share, and SQNR (lowest first)."""
 
     def key(r: dict[str, Any]):
-        sq = r["sqnr_db"]
+        sq = sqnr_value(r)
         return (
             STATUS_ORDER[r["status"]],
             -r["overflow_pct"],
             -r["underflow_pct"],
-            math.inf if sq is None else sq,
+            math.inf if sq is None else sq,  # undefined last
             r["name"],
         )
 
@@ -110,11 +129,14 @@ def _num(v: Any, fmt: str = ".3g") -> str:
 
 
 def _sqnr_cell(r: dict[str, Any]) -> str:
-    """SQNR in dB; ``exact`` only for a record without any error (rel_mse 0), ``-`` when the
-    SQNR is undefined (no signal, or not computable)."""
-    if r["sqnr_db"] is not None:
-        return _num(r["sqnr_db"], ".1f")
-    return "exact" if r.get("rel_mse") == 0 else "-"
+    """SQNR in dB; ``exact`` only for a record without any error (rel_mse 0), ``-inf`` when the
+    error is not finite or the signal is 0, ``-`` when no value was finite (undefined)."""
+    v = sqnr_value(r)
+    if v is None:
+        return "-"
+    if math.isinf(v):
+        return "exact" if v > 0 else "-inf"
+    return _num(v, ".1f")
 
 
 def _pct(count: int, pct: float) -> str:
@@ -182,8 +204,8 @@ class FailRule:
         if key not in rec:  # e.g. trace rows have no sqnr_db: the rule does not apply
             return False
         v = rec[key]
-        if v is None and self.metric == "sqnr_db" and rec.get("rel_mse") == 0:
-            v = math.inf  # no error at all
+        if v is None and self.metric in ("sqnr_db", "rel_mse"):
+            v = sqnr_value(rec, self.metric)  # exact or unbounded: +-inf
         if v is None:  # undefined
             return False
         return _OPS[self.op](v, self.value)

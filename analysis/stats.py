@@ -61,6 +61,7 @@ __all__ = [
     "TensorStats",
     "parse_variants",
     "tensor_stats",
+    "sqnr_case",
     "LOG2_EXPONENTS",
     "DEFAULT_CHUNK",
     "IN_MEMORY_CHUNK",
@@ -187,8 +188,8 @@ class TensorStats:
         """One JSON-ready dict per variant: name, shape, dtype, numel, format, scaling, amax,
         scale, overflow, underflow, subnormal, nan, inf, sqnr_db, rel_mse, plus file, zero,
         scale_max, lost and the shares (percent: overflow of finite, underflow and subnormal
-        of nonzero). Non-finite floats become None (sqnr_db None with rel_mse 0: no error at all;
-        both None: undefined)."""
+        of nonzero). Non-finite floats become None; ``sqnr_case`` says what a None SQNR means
+        (:func:`sqnr_case`)."""
         out = []
         for v in self.variants:
             out.append(
@@ -212,6 +213,7 @@ class TensorStats:
                     "lost": v.lost,
                     "sqnr_db": _finite_or_none(v.sqnr_db),
                     "rel_mse": _finite_or_none(v.rel_mse),
+                    "sqnr_case": sqnr_case(v.sqnr_db),
                     "overflow_pct": 100.0 * v.overflow / self.finite if self.finite else 0.0,
                     "underflow_pct": 100.0 * v.underflow / self.nonzero if self.nonzero else 0.0,
                     "subnormal_pct": 100.0 * v.subnormal / self.nonzero if self.nonzero else 0.0,
@@ -235,6 +237,18 @@ def _combine(pair: np.ndarray) -> float:
         return math.ldexp(m, e)
     except OverflowError:
         return math.inf
+
+
+def sqnr_case(sqnr_db: float) -> str:
+    """What an SQNR is, for JSON (where it is a number or null): ``finite``; ``exact`` (+inf: no
+    error at all, rel_mse 0); ``unbounded`` (-inf: the error is not finite -- a dequantized value
+    overflowed or is NaN, e.g. a scale that underflowed to 0 -- or the signal is 0; rel_mse inf);
+    ``undefined`` (NaN: no finite value to compare)."""
+    if math.isnan(sqnr_db):
+        return "undefined"
+    if math.isinf(sqnr_db):
+        return "exact" if sqnr_db > 0 else "unbounded"
+    return "finite"
 
 
 def _finite_or_none(v: float) -> float | None:

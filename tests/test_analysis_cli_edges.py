@@ -229,6 +229,37 @@ def test_an_all_nan_tensor_has_no_sqnr(tmp_path, capsys):
     assert "exact" not in out  # nothing was compared, so nothing was exact
 
 
+def test_json_and_table_tell_the_three_sqnr_cases_apart(tmp_path, capsys):
+    # margin 126 with amax 3e38: the scale underflows to 0, 0 x inf dequantizes to NaN -- an
+    # unbounded error (-inf dB), the worst; an all-NaN tensor: undefined; exact values: no error
+    bad, nan, ok = tmp_path / "bad.npy", tmp_path / "nan.npy", tmp_path / "ok.npy"
+    np.save(bad, np.array([3e38, 1.0, -2.0, 0.0], np.float32))
+    np.save(nan, np.array([np.nan, np.nan], np.float32))
+    np.save(ok, np.array([1.0, 2.0, -0.5], np.float32))  # e4m3 values, scale 1 under none
+    js = tmp_path / "r.json"
+    argv = ["analyze", ok, nan, bad, "--format", "e4m3", "--margin", "126", "--json", js]
+    rc, _, err = run(capsys, *argv, "--scaling", "tensor")
+    assert rc == 0, err
+    by = {r["name"]: r for r in records(js)}
+    assert (by["bad"]["sqnr_db"], by["bad"]["rel_mse"], by["bad"]["sqnr_case"]) == (None, None, "unbounded")
+    assert (by["nan"]["sqnr_db"], by["nan"]["rel_mse"], by["nan"]["sqnr_case"]) == (None, None, "undefined")
+    assert by["ok"]["sqnr_case"] == "finite" and by["ok"]["sqnr_db"] is not None
+    rc, out, err = run(capsys, *argv[:-2], "--scaling", "none")
+    rows = {ln.split()[1]: ln.split()[-1] for ln in out.splitlines()[2:5]}
+    assert rows["ok"] == "exact" and rows["nan"] == "-"
+    rc, out, err = run(capsys, *argv[:-2], "--scaling", "tensor")
+    rows = [(ln.split()[1], ln.split()[-1]) for ln in out.splitlines()[2:5]]
+    # bad and ok both critical (every value underflows): the unbounded error is the worse
+    assert rows == [("bad", "-inf"), ("ok", "0.0"), ("nan", "-")]
+    # --fail-on: the unbounded error crosses sqnr_db<20 and rel_mse>1, the undefined one neither
+    for rule in ("sqnr_db<20", "rel_mse>1"):
+        rc, _, err = run(capsys, "analyze", bad, nan, "--format", "e4m3", "--margin", "126",
+                         "--fail-on", rule)
+        assert rc == 1 and "by bad" in err, (rule, err)
+        rc, _, err = run(capsys, "analyze", nan, "--format", "e4m3", "--fail-on", rule)
+        assert rc == 0, (rule, err)
+
+
 def test_an_internal_error_exits_3_in_one_line(good, capsys, monkeypatch):
     import analysis.stats
 
