@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 
+import numba
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -87,8 +88,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="numba threads (default: all)")
     args = ap.parse_args()
     if args.threads:
-        import numba
-
         numba.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(args.n) * np.exp2(rng.integers(-12, 4, args.n))).astype(np.float32)
@@ -103,17 +102,26 @@ def main() -> None:
         assert (v.overflow, v.underflow, v.subnormal) == (r["overflow"], r["underflow"], r["subnormal"])
         assert abs(v.err2 / r["err2"] - 1) < 1e-9
 
-    # ours and the copy in turn within every repetition (the same machine state for both: this
-    # machine is shared and noisy); the slow numpy implementation on its own
+    # ours, the copy and ours on one thread in turn within every repetition (about the same
+    # machine state for all: this machine is shared and noisy); the slow numpy implementation on
+    # its own
     dst = np.empty_like(x)
-    ts_ours, ts_copy = interleaved_times(
-        [lambda: tensor_stats(x, variants), lambda: np.copyto(dst, x)], args.repeat
+    threads = numba.get_num_threads()
+
+    def ours_one_thread() -> None:
+        numba.set_num_threads(1)
+        try:
+            tensor_stats(x, variants)
+        finally:
+            numba.set_num_threads(threads)
+
+    ts_ours, ts_copy, ts_one = interleaved_times(
+        [lambda: tensor_stats(x, variants), lambda: np.copyto(dst, x), ours_one_thread], args.repeat
     )
     t_ours, t_copy = statistics.median(ts_ours), statistics.median(ts_copy)
     # the share within each repetition (ours and the copy back to back): how much noise moves it
     shares = sorted(100 * c / o for o, c in zip(ts_ours, ts_copy))
     t_np = median_time(lambda: numpy_stats(x, fmts), max(1, args.repeat // 2))
-    import numba
 
     rate = lambda t: args.n / t / 1e9  # noqa: E731
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, numba threads "
@@ -127,6 +135,11 @@ def main() -> None:
     print(f"  per repetition ({len(shares)}): min {shares[0]:.0f}%, median "
           f"{statistics.median(shares):.0f}%, max {shares[-1]:.0f}%; "
           f"{sum(v >= 40 for v in shares)} of {len(shares)} at 40% or more")  # fmt: skip
+    if threads > 1:  # what the other threads gave on this (shared) machine, in this run
+        ups = sorted(a / b for a, b in zip(ts_one, ts_ours))
+        print(f"  {threads} threads vs 1 (analysis.stats, interleaved): median "
+              f"{statistics.median(ups):.2f}x (min {ups[0]:.2f}x, max {ups[-1]:.2f}x); "
+              f"1 thread median {statistics.median(ts_one) * 1e3:.1f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":
