@@ -11,7 +11,8 @@ For each requested (format, scaling) -- a *variant* -- the figures are those of 
 * ``sqnr_db = 10 log10(sum x^2 / sum (deq - x)^2)`` and ``rel_mse = sum (deq - x)^2 / sum x^2``
   over the finite values, ``deq = float32(decode(code) * scale_inv)`` as ``dequantize`` gives it.
 * ``lost``: elements of MX blocks whose shared scale is NaN (the block holds a NaN or inf; the MX
-  spec makes the whole block NaN). They are left out of the figures above.
+  spec makes the whole block NaN). They are left out of the figures above, both sums included
+  (with none of its finite values kept, a variant's SQNR is undefined, NaN).
 
 Scalings: ``none`` (scale 1: a plain cast) or any :func:`fp8sim.scaling.parse_granularity` spec
 (``tensor``, ``row``, ``col``, ``block:RxC``, ``mx``, ``mx:rceil``), just in time from each group's
@@ -251,6 +252,14 @@ def sqnr_case(sqnr_db: float) -> str:
     return "finite"
 
 
+def _any_nan_or_inf(nan: np.ndarray, amax_bits: np.ndarray, step: int = 1 << 22) -> bool:
+    """Whether any group holds a NaN or has an inf amax (float32 bits), a slice at a time (no
+    temporary the size of a large grid)."""
+    inf = np.uint32(0x7F800000)
+    return any(nan[i : i + step].any() or (amax_bits[i : i + step] >= inf).any()
+               for i in range(0, nan.size, step))  # fmt: skip
+
+
 def _finite_or_none(v: float) -> float | None:
     return float(v) if v is not None and math.isfinite(v) else None
 
@@ -290,7 +299,7 @@ def _variant_table(variants: Sequence[Variant], grans: list[Granularity], g_tile
                    m: int, n: int) -> tuple[np.ndarray, np.ndarray, list]:
     """(vint, vflt) of :func:`analysis.stats_kernels._pass_b` for the variants (scale offsets
     and first groups left 0), and each variant's (R, C, Gc, index into grans; -1 for none)."""
-    vint = np.zeros((len(variants), 10), np.int64)
+    vint = np.zeros((len(variants), 11), np.int64)
     vflt = np.zeros((len(variants), 3), np.float64)
     shapes = []
     for k, v in enumerate(variants):
@@ -370,7 +379,7 @@ def tensor_stats(
 
     vint, vflt, shapes = _variant_table(variants, grans, g_tiles, m, n)
     vcounts = np.zeros((len(variants), 5), np.int64)
-    verr = np.zeros((len(variants), 2), np.float64)
+    verr = np.zeros((len(variants), 4), np.float64)  # sum (deq - x)^2, kept x^2: (low, high)
     smin = np.full(len(variants), np.inf)
     smax = np.full(len(variants), -np.inf)
 
@@ -433,6 +442,10 @@ def tensor_stats(
         mult = scale_from_amax(gam, v.fmt, margin=v.margin, pow2=v.pow2).reshape(-1)
         return mult, (np.float32(1) / mult).astype(np.float32)
 
+    for k, v in enumerate(variants):  # MX groups with a NaN or inf: their scale is NaN, lost
+        gi = shapes[k][3]
+        if gi >= 0 and v.granularity.kind == "mx":
+            vint[k, 10] = int(_any_nan_or_inf(g_nan[gi], g_amax[gi]))
     whole_scales = {}  # variants with one scale for the whole tensor: computed once
     for k, v in enumerate(variants):
         r, _, gc, gi = shapes[k]
@@ -472,12 +485,16 @@ def tensor_stats(
     res.amax = float(np.array([amax_bits], np.uint32).view(np.float32)[0])
     res.sig2, res.log2_counts = _combine(sig2), log2
 
-    s_m, s_e = _mant_exp(sig2)
     for k, v in enumerate(variants):
-        e_m, e_e = _mant_exp(verr[k])
-        e2 = _combine(verr[k])
-        if res.nan + res.inf == numel:  # no finite value: nothing to compare, not "exact"
-            sqnr, rel = math.nan, math.nan
+        lost = int(vcounts[k, 3])
+        if lost and not vint[k, 10]:
+            raise AssertionError(f"{v.fmt.name} {v.scaling}: values lost to a scale not foreseen")
+        # the signal: every finite value's x^2, or (values lost to a NaN MX scale) the kept ones
+        s_m, s_e = _mant_exp(verr[k, 2:] if vint[k, 10] else sig2)
+        e_m, e_e = _mant_exp(verr[k, :2])
+        e2 = _combine(verr[k, :2])
+        if res.nan + res.inf + lost == numel:  # no finite value kept: nothing to compare, not
+            sqnr, rel = math.nan, math.nan  # "exact"
         elif e_m == 0.0:
             sqnr, rel = math.inf, 0.0
         elif not math.isfinite(e_m):  # a dequantized value overflowed float32 (scale_inv near
@@ -501,7 +518,7 @@ def tensor_stats(
                 # the kernels count the zeros with the values that round to 0: off they come
                 underflow=int(vcounts[k, 1]) - (res.zero - int(vcounts[k, 4])),
                 subnormal=int(vcounts[k, 2] - vcounts[k, 1]),
-                lost=int(vcounts[k, 3]),
+                lost=lost,
                 err2=e2,
                 sqnr_db=sqnr,
                 rel_mse=rel,

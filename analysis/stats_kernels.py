@@ -201,11 +201,23 @@ def _full_variants(f32, vint, vflt, scales, sinvs):
 
 
 @jit_serial
+def _kept_squares(xs, lost, out):
+    """``out[k] = x^2`` of the finite values of a tile, 0 for NaN/inf and for all of a lost tile
+    (the figures leave it out): the same terms, in the same blocks, as the scan's sum of x^2, so
+    the two are equal when nothing is lost. A kept value is finite in float32 (a larger float64
+    one makes its MX scale NaN), so no square reaches the scan's "high" sum."""
+    for k in range(xs.size):
+        ax = abs(np.float64(xs[k]))
+        out[k] = ax * ax if (not lost) and ax < np.inf else 0.0
+
+
+@jit_serial
 def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base, sig2, hist,
             hsub, counts, err2):  # fmt: skip
     """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
     buf = np.empty(_BLOCK, np.float64)
     buf_b = np.empty(_BLOCK, np.float64)
+    kept = np.empty(_BLOCK, np.float64)  # x^2 of the values not lost (variants with vint[v, 10])
     copies = np.zeros((N_HIST_COPIES, 256), np.uint32)  # the scan's exponent bytes (if scan)
     nv = vint.shape[0]
     n_full = full.size
@@ -256,6 +268,7 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base
             csub = np.float32(vflt[v, 0])
             whole = vint[v, 8] != 0  # one scale for the whole tensor: no tiles to walk
             fast32 = vint[v, 9] != 0
+            track = vint[v, 10] != 0
             j = b0
             r = (i0 + j) // ncols
             c = (i0 + j) - r * ncols
@@ -270,12 +283,15 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base
                     row_base = vint[v, 3] + (r // R) * Gc - vint[v, 7]
                 sc = scales[row_base + t]
                 si = sinvs[row_base + t]
-                if si != si:  # NaN MX scale: the whole block is NaN
+                lost = si != si  # NaN MX scale: the whole block is NaN
+                if lost:
                     for k in range(j, j + n_el):
                         counts[v, 3] += np.int64(abs(np.float64(x[k])) < np.inf)
                         counts[v, 4] += np.int64(x[k] == 0)
                         buf[k - b0] = 0.0
-                else:
+                if track:
+                    _kept_squares(x[j : j + n_el], lost, kept[j - b0 : j - b0 + n_el])
+                if not lost:
                     o, u, sb, qh = _cast(
                         x[j : j + n_el], sc, si, shift, half_m1, keep, max_bits, minnorm_bits,
                         csub, buf[j - b0 : j - b0 + n_el], fast32,
@@ -292,6 +308,8 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base
             # the block's squared errors, whatever its tiles: one pairwise sum (a column tile of
             # one element per row would otherwise add them one by one)
             err2[v, 0] += _pairwise_sum(buf, b1 - b0)
+            if track:
+                err2[v, 2] += _pairwise_sum(kept, b1 - b0)
     if scan:
         _add_copies(copies, hist)
 
@@ -301,7 +319,7 @@ def _pass_b_kernel(x, n_parts, i0, ncols, vint, vflt, scales, sinvs, f32, scan):
     nv = vint.shape[0]
     base, sig2, hist, hsub = _scan_buffers(n_parts)
     counts = np.zeros((n_parts, nv, 5), np.int64)
-    err2 = np.zeros((n_parts, nv, 2), np.float64)
+    err2 = np.zeros((n_parts, nv, 4), np.float64)
     full, thr = _full_variants(f32, vint, vflt, scales, sinvs)
     per = (x.size + n_parts - 1) // n_parts
     for p in numba.prange(n_parts):
@@ -322,8 +340,8 @@ def _variant_totals(counts, err2):
         for v in range(counts.shape[1]):
             for j in range(counts.shape[2]):
                 v_counts[v, j] += counts[p, v, j]
-            v_err2[v, 0] += err2[p, v, 0]
-            v_err2[v, 1] += err2[p, v, 1]
+            for j in range(err2.shape[2]):
+                v_err2[v, j] += err2[p, v, j]
     return v_counts, v_err2
 
 
@@ -355,7 +373,7 @@ def _whole_tensor_kernel(x, n_parts, ncols, vint, vflt, scaled_max, pow2, f32):
             sinvs[v] = np.float32(1) / scales[v]
     full, thr = _full_variants(f32, vint, vflt, scales, sinvs)
     counts = np.zeros((n_parts, nv, 5), np.int64)
-    err2 = np.zeros((n_parts, nv, 2), np.float64)
+    err2 = np.zeros((n_parts, nv, 4), np.float64)
     for p in numba.prange(n_parts):
         s = min(x.size, p * per)
         e = min(x.size, s + per)
@@ -372,13 +390,15 @@ def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
     vint[v] = (R, C, Gc, scale offset, shift = 23 - mantissa bits, float32 bits of fmt.max,
     float32 bits of fmt.min_normal, flat grid index of the chunk's first group
     (stats._group_range), 1 if one scale covers the whole tensor, 1 if float32 blocks may take
-    :func:`analysis.stats_blocks._cast_block_f32`); vflt[v] = (2**(emin - m + 23), fmt.max,
+    :func:`analysis.stats_blocks._cast_block_f32`, 1 to sum the x^2 of the values not lost to a
+    NaN MX scale); vflt[v] = (2**(emin - m + 23), fmt.max,
     fmt.min_normal). scales / sinvs: each variant's scales of the groups the chunk can touch,
     flat (float32), variant v's from offset vint[v, 3]. Returns, summed over the parts
     (in part order, so the figures depend only on the part count): :func:`_scan_totals` (None
     without ``scan``), counts (V, 5) = overflow, finite values that round to 0 and that round
     below min_normal (both with the zeros: see analysis.stats_blocks._cast_block), lost (NaN MX
-    scale), zeros among the lost; err2 (V, 2) = sum (deq - x)^2 as (low, high) pairs (see
+    scale), zeros among the lost; err2 (V, 4) = sum (deq - x)^2 and, for variants with
+    vint[v, 10] (else 0), sum x^2 over the finite values not lost, as (low, high) pairs (see
     stats._combine).
     """
     totals, counts, err2 = _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs,

@@ -34,6 +34,7 @@ def reference(x, fmt, scaling):
         "subnormal": int((ok & (dec > 0) & (dec < fmt.min_normal)).sum()),
         "lost": int(lost.sum()),
         "err2": math.fsum(((deq[ok] - x64[ok]) ** 2).tolist()),
+        "sig2": math.fsum((x64[ok] ** 2).tolist()),  # the values compared: lost ones left out
     }
     if fmt.has_nan:  # non-saturating: overflow shows as inf/NaN
         ns = dequantize(quantize_scaled(x, fmt, g, saturate=False, **kw)).astype(np.float64)
@@ -80,7 +81,8 @@ def test_figures_equal_the_emulator(fmt):
         if "overflow" in ref:
             assert r.overflow == ref["overflow"], what
         assert r.err2 == pytest.approx(ref["err2"], rel=1e-12, abs=0), what
-        sig2 = st.sig2
+        sig2 = ref["sig2"]
+        assert (sig2 < st.sig2) == (r.lost > 0), what
         assert r.sqnr_db == pytest.approx(10 * math.log10(sig2 / ref["err2"]), rel=1e-12, abs=0), what
         assert r.rel_mse == pytest.approx(ref["err2"] / sig2, rel=1e-12, abs=0), what
         assert r.scale == ref["scale"] or (math.isnan(r.scale) and math.isnan(ref["scale"])), what
@@ -319,6 +321,32 @@ def test_column_tiles_sum_their_errors_pairwise():
         deq = dequantize(quantize_scaled(x, fmt, "col")).astype(np.float64)
         exact = math.fsum(((deq - x.astype(np.float64)) ** 2).ravel().tolist())
         assert v.err2 == pytest.approx(exact, rel=1e-14, abs=0)
+
+
+def test_values_lost_to_a_nan_mx_scale_leave_both_sums():
+    # hand computation: block 0 holds a NaN (its 31 finite values are lost), block 1 is 31 ones
+    # and float32(1.1); e4m3 MX (floor): scale 2**-8, 1.1 * 256 = 281.6 rounds to 288 (quantum
+    # 32), so deq 1.125; the SQNR compares block 1 only: 10 log10((31 + 1.1^2) / (1.125 - 1.1)^2)
+    x = np.r_[np.full(32, 100.0), np.full(32, 1.0)].astype(np.float32)
+    x[0], x[40] = np.nan, 1.1
+    (v,) = tensor_stats(x, parse_variants(["e4m3"], ["mx"])).variants
+    a = float(np.float32(1.1))
+    assert v.lost == 31 and v.err2 == (1.125 - a) ** 2
+    assert v.sqnr_db == pytest.approx(10 * math.log10((31 + a * a) / (1.125 - a) ** 2), rel=1e-14)
+    # chunks with and without lost blocks, rows that cut blocks: the emulator, lost values out
+    rng = np.random.default_rng(5)
+    x = mixed(rng, (37, 300))
+    x[rng.integers(0, 37, 6), rng.integers(0, 300, 6)] = np.nan
+    x[2, 7], x[30, 299] = np.inf, -np.inf
+    for scaling in ("mx", "mx:rceil"):
+        for chunk in (1000, 4321, None):
+            (r,) = tensor_stats(x, parse_variants(["e5m2"], [scaling]), chunk=chunk).variants
+            ref = reference(x, "e5m2", scaling)
+            assert r.lost == ref["lost"] > 0
+            assert r.rel_mse == pytest.approx(ref["err2"] / ref["sig2"], rel=1e-12, abs=0)
+    # every finite value lost: nothing compared, the SQNR is undefined (not exact)
+    (v,) = tensor_stats(np.array([np.nan, 1.0, 2.0], np.float32), parse_variants(["e4m3"], ["mx"])).variants
+    assert v.lost == 2 and math.isnan(v.sqnr_db) and math.isnan(v.rel_mse)
 
 
 def test_zeros_in_lost_mx_blocks_are_neither_underflow_nor_subnormal():
