@@ -17,13 +17,12 @@ them with their parameters):
 * ``current`` -- just in time: :func:`fp8sim.scaling.scale_from_amax` of this step's amax
   (amax 0 / inf / NaN gives 1). ``gran`` picks per-row/col/block scales for :meth:`quantize`.
 * ``delayed`` -- Transformer Engine's ``DelayedScaling``: the amax history holds the last
-  ``history`` amaxes (zeros before the first steps), rolled at every step whose amax is not 0
-  (TE's bulk update leaves history and scale alone on an amax of 0); the reduced amax is their
-  maximum (``algo=max``; NaN entries are skipped as CUDA ``fmaxf`` does, an inf is kept) or this
-  step's amax (``most_recent``). If it is finite and > 0 the new scale is
+  ``history`` amaxes (zeros before the first steps), rolled at every step whose amax is not 0 (TE's
+  bulk update leaves history and scale alone on an amax of 0); the reduced amax is their maximum
+  (``algo=max``; NaN entries are skipped as CUDA ``fmaxf`` does, an inf is kept) or this step's
+  amax (``most_recent``). If it is finite and > 0 the new scale is
   ``float32(float32(fmax * 2**-margin) / amax)`` (TE's order; inf -> float32 max), else the
-  previous scale stays. The
-  scale computed after step ``t`` is used at step ``t + 1``; the first step uses 1.
+  previous scale stays. The scale computed after step ``t`` is used at step ``t + 1``; step 0: 1.
 * ``msamp`` -- MS-AMP's ``ScalingMeta``: power-of-two scales
   ``2**(floor(log2(fmax / amax)) - margin)``. Just in time (this step's amax) while warming up
   (the first ``window`` steps, again after a non-finite amax) and always for ``window=1``; then the
@@ -507,7 +506,8 @@ class StaticScaling(ScalingPolicy):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         s = self.params["scale"]
-        if not (math.isfinite(s) and 1.4e-45 <= s <= _F32_MAX):  # used as a float32: not 0/inf
+        f = _f32(s) if math.isfinite(s) and abs(s) < _F32_MAX + 2.0**103 else math.inf
+        if not 0 < f <= _F32_MAX:  # as scale_for uses it (a float32; max + ulp/2 rounds to inf)
             raise ValueError(f"static: scale must be finite and > 0 as a float32 (at most "
                              f"3.4028235e+38, at least 1.4e-45), got {s}")  # fmt: skip
 

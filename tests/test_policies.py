@@ -114,6 +114,13 @@ def test_current_scaling():
         p.scale_for("x", "e4m3")
 
 
+def test_static_scales_are_judged_as_the_float32_they_become():
+    # 1e-45 rounds to 2**-149 (float32's smallest subnormal), 3.40282356e38 to float32's max
+    assert parse_policy("static:scale=1e-45").scale_for("x", "e4m3") == 2.0**-149
+    big = parse_policy("static:scale=3.40282356e38").scale_for("x", "e4m3")
+    assert big == float(np.finfo(np.float32).max)
+
+
 def test_static_and_mx():
     s = parse_policy("static:scale=0.5")
     s.observe("x", 3.0, "e4m3")
@@ -313,6 +320,7 @@ def test_spec_forms():
         ("static:scale=0", "finite and > 0"),
         ("static:scale=1e39", "as a float32"),  # rounds to inf in float32
         ("static:scale=1e-50", "as a float32"),  # rounds to 0
+        ("static:scale=7e-46", "as a float32"),  # below half of 2**-149: rounds to 0
         ("delayed:history=1e300", "<= 1048576"),
         ("static:scale=nan", "NaN"),
         ("mx:ceil", "floor, rceil"),
