@@ -9,6 +9,11 @@ replay TRACE --policy SPEC... : what each scaling policy would have done over a 
 Exit codes: 0 ok; 1 a ``--fail-on`` rule was crossed; 2 bad input (a bad file is named with the
 reason; with ``--keep-going`` the other files are analyzed first and the bad ones listed at the
 end, and the exit code is still 2); 3 an internal error (a bug: ``cli.main`` names it in one line).
+A file that cannot be opened (a bad header, a corrupt trace chunk) is bad as a whole; a tensor
+whose data cannot be read (a damaged .npz member, a truncated range) is bad on its own: with
+``--keep-going`` the file's other tensors are still analyzed, and it has no record (a record
+exists only for a tensor read whole). JSON ``errors``: ``{file, name, reason}``, ``name`` null for
+a whole file.
 """
 
 from __future__ import annotations
@@ -269,6 +274,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     from analysis.inputs import each_file_once
     from analysis.report import (
         Thresholds,
+        escape_cell,
         classify,
         failures,
         format_table,
@@ -292,14 +298,19 @@ def run_analyze(args: argparse.Namespace) -> int:
     plot_dir = _plot_dir(args.plot)
     errors: list[dict] = []
 
-    def bad(path: str, exc: Exception) -> None:
+    def bad(path: str, exc: Exception, name: str | None = None) -> None:
+        """``path`` is bad, or (``name``) one tensor of it is: raised, or listed (--keep-going)."""
         reason = one_line(str(exc)) or type(exc).__name__
         shown = one_line(path)  # a newline in a file name is written \n
-        if not reason.startswith(shown):
+        if name is not None:  # the reason names the file, then the tensor
+            rest = reason[len(shown) + 1:].strip() if reason.startswith(f"{shown}:") else reason
+            nm = escape_cell(name)
+            reason = f"{shown}: {rest if rest.startswith(f'cannot read {nm}: ') else f'{nm}: {rest}'}"
+        elif not reason.startswith(shown):
             reason = f"{shown}: {reason}"
         if not args.keep_going:
             raise ValueError(reason)
-        errors.append({"file": path, "reason": reason})
+        errors.append({"file": path, "name": name, "reason": reason})
 
     paths = []
     for given in args.paths:
@@ -347,7 +358,7 @@ def run_analyze(args: argparse.Namespace) -> int:
                                      f"{dump.path}: recorded {key} share (%)", heat["names"],
                                      heat["steps"], heat[key])  # fmt: skip
             for src in dump.tensors:
-                bar.set_description(src.name[-30:], refresh=False)
+                bar.set_description(escape_cell(src.name)[-30:], refresh=False)
                 if not src.is_float:
                     notes.append({"file": dump.path, "name": src.name,
                                   "note": f"skipped: {src.dtype} tensor (analyzed: "
@@ -360,9 +371,9 @@ def run_analyze(args: argparse.Namespace) -> int:
                 try:
                     st = tensor_stats(src, variants, name=src.name, chunk=args.chunk,
                                       progress=bar.update)  # fmt: skip
-                except ValueError as exc:
-                    bad(dump.path, exc)
-                    break
+                except ValueError as exc:  # its data cannot be read: this tensor is bad (no
+                    bad(dump.path, exc, src.name)  # record), the file's others go on
+                    continue
                 st.file = dump.path
                 for rec in st.records():
                     rec["status"] = classify(rec, th)
@@ -400,21 +411,25 @@ def run_analyze(args: argparse.Namespace) -> int:
         if records:
             print(format_table(records, limit=args.top or None))
         for t in traces:
-            print(f"\ntrace {t['path']}: recorded statistics over all steps")
+            print(f"\ntrace {escape_cell(t['path'])}: recorded statistics over all steps")
             print(_trace_table(sort_worst_first_trace(t["tensors"])))
         if not records and not traces:
             print("no float tensors analyzed")
     for n in notes:
-        _msg(f"note: {n['file']}: " + (f"{n['name']}: " if n["name"] else "") + n["note"])
+        _msg(f"note: {escape_cell(n['file'])}: " + (f"{escape_cell(n['name'])}: " if n["name"] else "")
+             + one_line(n["note"]))  # fmt: skip
     _msg(f"{counts['critical']} critical, {counts['warning']} warning, {counts['ok']} ok")
-    if errors:
-        _msg(f"bad files ({len(errors)}):")
-        for e in errors:
-            _msg(f"  {e['reason']}")
+    if errors:  # the same items as JSON "errors": whole files, then single tensors
+        for title, whole in (("bad files", True), ("bad tensors", False)):
+            listed = [e["reason"] for e in errors if (e["name"] is None) == whole]
+            if listed:
+                _msg(f"{title} ({len(listed)}):")
+                for reason in listed:
+                    _msg(f"  {reason}")
         return 2
     if crossed:
         rule, r = crossed[0]
-        _msg(f"--fail-on: {len(crossed)} crossing(s); first: {rule} by {r['name']} "
+        _msg(f"--fail-on: {len(crossed)} crossing(s); first: {rule} by {escape_cell(r['name'])} "
              f"({r['format']}, {r['scaling']})")  # fmt: skip
         return 1
     return 0

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = [
     "Thresholds",
@@ -145,7 +146,28 @@ def _pct(count: int, pct: float) -> str:
     return f"{count} ({pct:.3g}%)"
 
 
+#: what never goes into a table cell as it is: C0/C1 control characters (a newline would break
+#: the row, an escape sequence restyle the terminal), Unicode line/paragraph separators and the
+#: bidirectional overrides (they reorder the text shown)
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(m: re.Match) -> str:
+    c = m.group()
+    return _ESCAPES.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def escape_cell(text: str) -> str:
+    """``text`` for one line of a table: line breaks written ``\\n`` / ``\\r`` as the one-line
+    error messages write them (``fp8sim.commands._output.one_line``), a tab ``\\t``, the other
+    :data:`_UNSAFE` characters ``\\xNN`` / ``\\uNNNN``. Unlike ``one_line`` nothing is stripped
+    or cut: no part of a name is lost. JSON keeps the raw text."""
+    return _UNSAFE.sub(_escape, text)
+
+
 def _table(headers: Sequence[str], rows: list[list[str]], right: set[int]) -> str:
+    rows = [[escape_cell(c) for c in row] for row in rows]  # one line per row, whatever a name holds
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(c)) for w, c in zip(widths, row)]
@@ -158,17 +180,35 @@ def _table(headers: Sequence[str], rows: list[list[str]], right: set[int]) -> st
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _tensor_cells(records: list[dict[str, Any]]) -> Callable[[dict[str, Any]], str]:
+    """record -> its tensor cell: the name; ``name (file)`` when tensors of that name come from
+    more than one file (the file's base name, or its whole path where base names repeat too)."""
+    files: dict[str, set] = {}
+    for r in records:
+        files.setdefault(r["name"], set()).add(r.get("file"))
+    shown: dict[tuple[str, Any], str] = {}
+    for name, fs in files.items():
+        if len(fs) < 2:
+            continue
+        bases = {f: os.path.basename(os.path.normpath(f)) if f else "?" for f in fs}
+        unique = len(set(bases.values())) == len(fs)
+        for f in fs:
+            shown[name, f] = f"{name} ({bases[f] if unique else f})"
+    return lambda r: shown.get((r["name"], r.get("file")), r["name"])
+
+
 def format_table(records: list[dict[str, Any]], *, limit: int | None = None) -> str:
     """The terminal table, rows in the given order (sort first), at most ``limit`` rows."""
     headers = ["status", "tensor", "format", "scaling", "numel", "amax", "scale",
                "overflow", "underflow", "subnormal", "sqnr_db"]  # fmt: skip
     shown = records if limit is None else records[:limit]
+    tensor = _tensor_cells(records)
     rows = []
     for r in shown:
         rows.append(
             [
                 r["status"],
-                r["name"],
+                tensor(r),
                 r["format"],
                 r["scaling"],
                 str(r["numel"]),
