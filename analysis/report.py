@@ -212,7 +212,7 @@ def format_table(records: list[dict[str, Any]], *, limit: int | None = None) -> 
                 r["format"],
                 r["scaling"],
                 str(r["numel"]),
-                _num(r["amax"]),
+                _num(math.inf if r["amax"] is None else r["amax"]),  # null: inf (see FailRule)
                 _num(r["scale"]),
                 _pct(r["overflow"], r["overflow_pct"]),
                 _pct(r["underflow"], r["underflow_pct"]),
@@ -246,6 +246,8 @@ class FailRule:
         v = rec[key]
         if v is None and self.metric in ("sqnr_db", "rel_mse"):
             v = sqnr_value(rec, self.metric)  # exact or unbounded: +-inf
+        elif v is None and self.metric == "amax":  # never NaN: a null amax is inf (a float64
+            v = math.inf  # value beyond float32's range)
         if v is None:  # undefined
             return False
         return _OPS[self.op](v, self.value)

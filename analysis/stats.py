@@ -190,7 +190,7 @@ class TensorStats:
         scale, overflow, underflow, subnormal, nan, inf, sqnr_db, rel_mse, plus file, zero,
         scale_max, lost and the shares (percent: overflow of finite, underflow and subnormal
         of nonzero). Non-finite floats become None; ``sqnr_case`` says what a None SQNR means
-        (:func:`sqnr_case`)."""
+        (:func:`sqnr_case`); a None amax is inf (float64 values beyond float32's range)."""
         out = []
         for v in self.variants:
             out.append(

@@ -260,6 +260,22 @@ def test_json_and_table_tell_the_three_sqnr_cases_apart(tmp_path, capsys):
         assert rc == 0, (rule, err)
 
 
+def test_an_amax_beyond_float32_is_inf_in_the_table_and_the_rules(tmp_path, capsys):
+    # float32(1e40) is inf: the amax is inf (JSON null, as every non-finite figure)
+    p = tmp_path / "big.npy"
+    np.save(p, np.array([1e40, 1.0, 2.0]))
+    js = tmp_path / "r.json"
+    rc, out, err = run(capsys, "analyze", p, "--format", "e4m3", "--json", js)
+    assert rc == 0, err
+    (r,) = records(js)
+    assert r["amax"] is None and r["overflow"] == 1
+    rc, out, err = run(capsys, "analyze", p, "--format", "e4m3")
+    assert out.splitlines()[2].split()[5] == "inf"
+    for rule, crossed in (("amax>1e30", True), ("amax<1", False), ("amax>=0", True)):
+        rc, _, err = run(capsys, "analyze", p, "--format", "e4m3", "--fail-on", rule)
+        assert rc == (1 if crossed else 0), (rule, err)
+
+
 def test_an_internal_error_exits_3_in_one_line(good, capsys, monkeypatch):
     import analysis.stats
 
