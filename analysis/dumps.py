@@ -6,8 +6,11 @@ Everything is untrusted input:
 * ``.pt``/``.pth`` load only through ``torch.load(..., weights_only=True)``: a pickle that wants
   to import or call code is refused with a clear message and never executed.
 * ``.npy``/``.npz`` load with ``allow_pickle=False`` semantics (object arrays are refused).
-* safetensors headers are parsed and checked here (offsets inside the file and not
-  overlapping, sizes matching shapes) before a byte of tensor data is read.
+* safetensors headers are parsed and checked (:mod:`analysis.dumps_safetensors`: no key twice,
+  sizes matching shapes, byte ranges tiling the data section exactly) before a byte of tensor
+  data is read.
+* Only regular files (or symbolic links to them) are opened: a named pipe, socket or device with
+  a dump's name is refused by name, never opened (opening a FIFO blocks until a writer comes).
 * A stored (uncompressed) .npz member's CRC-32 is checked as its data is first read through
   (Fortran-ordered ones: when opened), as ``np.load`` checks it; deflated members are checked
   by zipfile itself. Big-endian arrays are read in native byte order, values unchanged.
@@ -20,7 +23,9 @@ Fortran-ordered arrays and non-contiguous tensors are copied out of a file mappi
 (:mod:`analysis.dumps_strided`), which bounds them the same way.
 
 Nested containers (dicts, lists, tuples in a .pt; ``/`` in npz member names) become dotted names:
-``{"model": {"layers": [{"w": t}]}}`` -> ``model.layers.0.w``.
+``{"model": {"layers": [{"w": t}]}}`` -> ``model.layers.0.w``. Two entries of one file that come
+to the same name (key ``"a.b"`` next to ``{"a": {"b": ..}}``; members ``a/b.npy`` and ``a.b.npy``)
+are told apart as ``a.b`` and ``a.b#2`` (:func:`_unique_names`).
 
 FP8 tensors (safetensors ``F8_E4M3``/``F8_E5M2``, torch's four float8 dtypes) read as the exact
 float32 values of their codes (NaN codes: NaN), as stored: no companion scale is applied.
@@ -28,7 +33,6 @@ float32 values of their codes (NaN codes: NaN), as stored: no companion scale is
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -42,6 +46,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from analysis.dumps_strided import fortran_strides, mmap_strided_reader, spilled_strided_reader
+from analysis.inputs import require_regular_file
 from fp8sim.trace import TraceReader, is_trace
 
 __all__ = [
@@ -172,6 +177,24 @@ class Dump:
     trace: TraceReader | None = None
 
 
+def _unique_names(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Distinct names: a dotted name that comes again (key ``"a.b"`` next to ``{"a": {"b": ..}}``)
+    becomes ``a.b#2``, ``a.b#3``, ... so no record is mistaken for another."""
+    seen: dict[str, int] = {}
+    taken = {name for name, _ in pairs}
+    out = []
+    for name, t in pairs:
+        k = seen.get(name, 0) + 1
+        seen[name] = k
+        if k > 1:
+            while f"{name}#{k}" in taken:
+                k += 1
+            taken.add(f"{name}#{k}")
+            name = f"{name}#{k}"
+        out.append((name, t))
+    return out
+
+
 # ------------------------------------------------------------------------------------------
 # byte ranges
 # ------------------------------------------------------------------------------------------
@@ -200,73 +223,26 @@ def _pread_reader(path: str, offset: int, raw_dtype: Any, itemsize: int):
 # safetensors
 # ------------------------------------------------------------------------------------------
 def _open_safetensors(path: str) -> Dump:
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header size)")
-        (hlen,) = struct.unpack("<Q", head)
-        if hlen > min(size - 8, 100 << 20):
-            raise ValueError(f"{path}: corrupt safetensors: header size {hlen} exceeds the file")
-        try:
-            header = json.loads(f.read(hlen))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path}: corrupt safetensors header ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
-    data_start = 8 + hlen
-    data_size = size - data_start
-    tensors, skipped = [], []
-    spans: list[tuple[int, int, str]] = []  # (begin, end, name): no two may overlap
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            st_dtype, raw_shape = info["dtype"], info["shape"]
-            begin, end = info["data_offsets"]
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (begin, end)):
-                raise TypeError
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: corrupt safetensors header entry {name!r}") from None
-        shape, numel = _checked_numel(raw_shape, f"{path}: {name!r}")
-        dtype = _ST_DTYPES.get(st_dtype)
-        if dtype is None:
-            skipped.append((name, f"unsupported dtype {st_dtype}"))
-            continue
-        if end - begin != numel * _ITEMSIZE[dtype] or begin < 0:
-            raise ValueError(
-                f"{path}: corrupt: safetensors {name!r} has {end - begin} bytes for shape "
-                f"{list(shape)} of {st_dtype}"
-            )
-        if end > data_size:
-            raise ValueError(
-                f"{path}: truncated safetensors: {name!r} needs bytes up to {end}, "
-                f"the data section has {data_size}"
-            )
-        reader = None
-        if dtype in _RAW:
-            reader = _pread_reader(path, data_start + begin, _RAW[dtype], _ITEMSIZE[dtype])
-        tensors.append(TensorSource(name, path, shape, dtype, reader))
-        spans.append((begin, end, name))
-    reach, last = 0, ""  # the furthest end so far, and whose
-    for begin, end, name in sorted(s for s in spans if s[1] > s[0]):  # empty ones take no bytes
-        if begin < reach:
-            raise ValueError(f"{path}: corrupt safetensors: {last!r} and {name!r} share bytes "
-                             f"(offsets overlap at {begin})")  # fmt: skip
-        reach, last = end, name
-    return Dump(path, "safetensors", tensors, skipped)
+    from analysis.dumps_safetensors import open_safetensors  # header checks: see that module
+
+    return open_safetensors(path)
 
 
 # ------------------------------------------------------------------------------------------
 # numpy
 # ------------------------------------------------------------------------------------------
 def _npy_header(f, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, Fortran order, dtype) of the .npy header at ``f``. Errors of reading ``f`` itself
+    (a damaged zip member: bad CRC-32, a broken deflate stream; an OS error) pass through: they
+    are no fault of the header."""
     try:
         version = np.lib.format.read_magic(f)
         if version == (1, 0):
             shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
         else:
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError):
+        raise
     except Exception as exc:
         raise ValueError(f"{where}: corrupt .npy header ({exc})") from None
     if dtype.hasobject:
@@ -328,7 +304,16 @@ def _zip_data_offset(path: str, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
-def _member_filler(path: str, member: str, header_len: int, nbytes: int):
+def _member_error(path: str, member: zipfile.ZipInfo, exc: BaseException) -> ValueError:
+    """The one-line ValueError of a damaged .npz member: zipfile's "Bad CRC-32" is said as a
+    CRC-32 mismatch of the member's data (as :func:`_crc_checked` says it)."""
+    if "CRC" in str(exc):
+        return ValueError(f"{path}: corrupt .npz member {member.filename} (CRC-32 mismatch: the "
+                          "stored data is damaged)")  # fmt: skip
+    return ValueError(f"{path}: corrupt .npz member {member.filename} ({exc})")
+
+
+def _member_filler(path: str, member: zipfile.ZipInfo, header_len: int, nbytes: int):
     """fill(f): write the data bytes of a deflated npz member into ``f``, piece by piece (zipfile
     checks the CRC-32 at the end). Raises ValueError naming the member if it is damaged or
     short."""
@@ -336,16 +321,17 @@ def _member_filler(path: str, member: str, header_len: int, nbytes: int):
     def fill(f) -> None:
         got = _read_member_through(path, member, header_len, f.write)
         if got != nbytes:
-            raise ValueError(f"{path}: corrupt .npz member {member}: {got} data bytes, "
+            raise ValueError(f"{path}: corrupt .npz member {member.filename}: {got} data bytes, "
                              f"{nbytes} expected")  # fmt: skip
 
     return fill
 
 
-def _read_member_through(path: str, member: str, skip: int, write: Callable[[bytes], Any]) -> int:
+def _read_member_through(path: str, member: zipfile.ZipInfo, skip: int,
+                         write: Callable[[bytes], Any]) -> int:  # fmt: skip
     """Read a zip member to its end (zipfile checks its CRC-32 there), handing every byte past
     the first ``skip`` to ``write``; returns their count. ValueError naming the member if it is
-    damaged."""
+    damaged. Members are passed as ZipInfo, not by name: a zip may hold two of one name."""
     got = 0
     try:
         with zipfile.ZipFile(path) as zf, zf.open(member) as fh:
@@ -354,11 +340,11 @@ def _read_member_through(path: str, member: str, skip: int, write: Callable[[byt
                 write(piece)
                 got += len(piece)
     except (zipfile.BadZipFile, EOFError, zlib.error) as exc:
-        raise ValueError(f"{path}: corrupt .npz member {member} ({exc})") from None
+        raise _member_error(path, member, exc) from None
     return got
 
 
-def _stream_reader(path: str, member: str, header_len: int, raw: Any, itemsize: int):
+def _stream_reader(path: str, member: zipfile.ZipInfo, header_len: int, raw: Any, itemsize: int):
     """Sequential reads of a deflated npz member; a backwards read reopens the stream."""
     state: dict[str, Any] = {"pos": None, "zf": None, "fh": None}
 
@@ -376,12 +362,12 @@ def _stream_reader(path: str, member: str, header_len: int, raw: Any, itemsize: 
         while skip > 0:
             got = fh.read(min(skip, 1 << 24))
             if not got:
-                raise ValueError(f"{path}: truncated npz member {member}")
+                raise ValueError(f"{path}: truncated npz member {member.filename}")
             skip -= len(got)
         want = (stop - start) * itemsize
         data = fh.read(want)
         if len(data) != want:
-            raise ValueError(f"{path}: truncated npz member {member}")
+            raise ValueError(f"{path}: truncated npz member {member.filename}")
         state["pos"] = stop
         return np.frombuffer(data, dtype=raw)
 
@@ -431,8 +417,8 @@ def _open_npz(path: str) -> Dump:
                 with zf.open(info) as fh:
                     shape, fortran, dt = _npy_header(fh, f"{path}:{info.filename}")
                     header_len = fh.tell()
-            except (zipfile.BadZipFile, OSError, EOFError) as exc:
-                raise ValueError(f"{path}: corrupt .npz member {info.filename} ({exc})") from None
+            except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
+                raise _member_error(path, info, exc) from None
             name, raw = _np_dtype_name(dt)
             shape, numel = _checked_numel(shape, f"{path}:{info.filename}")
             if info.file_size - header_len != numel * dt.itemsize:
@@ -449,7 +435,7 @@ def _open_npz(path: str) -> Dump:
                     if off + numel * dt.itemsize > os.path.getsize(path):
                         raise ValueError(f"{path}: truncated .npz: member {info.filename} cut off")
                     if strided or numel == 0:  # read out of file order (or nothing): check now
-                        _read_member_through(path, info.filename, 0, lambda b: None)
+                        _read_member_through(path, info, 0, lambda b: None)
                         reader = (mmap_strided_reader(path, off, shape, strides, raw) if strided
                                   else _pread_reader(path, off, raw, dt.itemsize))  # fmt: skip
                     else:  # checked as the data is first read through, in order
@@ -459,12 +445,14 @@ def _open_npz(path: str) -> Dump:
                                               numel, where)  # fmt: skip
                 elif strided:  # C order out of a stream in storage order: spilled to disk once
                     reader = spilled_strided_reader(
-                        _member_filler(path, info.filename, header_len, numel * dt.itemsize),
+                        _member_filler(path, info, header_len, numel * dt.itemsize),
                         shape, strides, raw,
                     )  # fmt: skip
                 else:
-                    reader = _stream_reader(path, info.filename, header_len, raw, dt.itemsize)
+                    reader = _stream_reader(path, info, header_len, raw, dt.itemsize)
             tensors.append(TensorSource(member_name, path, shape, name, reader))
+    for src, (unique, _) in zip(tensors, _unique_names([(t.name, t) for t in tensors])):
+        src.name = unique  # members a/b.npy and a.b.npy: a.b and a.b#2
     return Dump(path, "npz", tensors, skipped)
 
 
@@ -476,6 +464,7 @@ def _open_trace(path: str) -> Dump:
     tensors = []
     for step, name in reader.saved_tensors():
         f = str(reader.tensor_file(step, name))
+        require_regular_file(f)
         st = _open_safetensors(f)
         for src in st.tensors:
             src.name = f"{name}@step{step}"
@@ -517,7 +506,8 @@ def open_dump(path: str | os.PathLike) -> Dump:
     """Open one dump file or trace directory (not a plain directory: see :func:`expand_paths`).
 
     Raises ValueError ``"<path>: <reason>"`` for a missing, unknown, corrupt, truncated or
-    refused (code-running pickle) file.
+    refused (code-running pickle) file, and for a path that is no regular file (a FIFO, socket
+    or device, which is never opened).
     """
     p = str(path)
     if os.path.isdir(p):
@@ -526,6 +516,7 @@ def open_dump(path: str | os.PathLike) -> Dump:
         raise ValueError(f"{p}: a directory that is not an fp8sim trace; use expand_paths")
     if not os.path.exists(p):
         raise ValueError(f"{p}: no such file")
+    require_regular_file(p)  # a FIFO, socket or device: refused, never opened
     suffix = Path(p).suffix.lower()
     opener = _OPENERS.get(suffix)
     if opener is None:
@@ -568,7 +559,9 @@ def expand_paths(paths: list[str | os.PathLike]) -> list[str]:
     """Files and trace directories to open: directories are walked (sorted) for
     :data:`DUMP_SUFFIXES` files, Hugging Face weight files ``pytorch_model*.bin`` (not other
     ``.bin`` files such as ``training_args.bin``: name those explicitly) and trace
-    subdirectories. A missing path raises ValueError."""
+    subdirectories. A missing path raises ValueError. A FIFO, socket or device with a dump's name
+    is listed like a file (:func:`open_dump` refuses it by name, as it does an unreadable file or
+    a broken link found in a directory), never opened here."""
     out: list[str] = []
     for path in paths:
         p = str(path)

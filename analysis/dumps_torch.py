@@ -1,7 +1,8 @@
 """Lazy, memory-bounded loading of PyTorch ``.pt``/``.pth`` dumps (see :mod:`analysis.dumps`).
 
-Only torch's weights-only unpickler: a pickle that wants to run code is refused with a clear
-message, never executed.
+Only torch's weights-only unpickler: a pickle that wants to run code (import a global, call or
+build an object torch does not allow) is refused with a clear message, never executed. Bytes that
+are no pickle torch can read (random bytes, a damaged pickle) are called that, with torch's reason.
 
 * Zip-format files (torch >= 1.6): ``torch.load(weights_only=True, mmap=True)``; tensors are read
   in chunks out of the mapping, dropping the mapped pages behind the reader. Non-contiguous
@@ -12,6 +13,10 @@ message, never executed.
   ``pread`` or a strided mapping, bounded like the rest. A legacy file this cannot lay out
   (storage views from very old torch, big-endian) is loaded whole by ``torch.load``, with a note on
   stderr saying so.
+* Zip-format files whose members are compressed (deflate: a zip rewritten by a tool, not
+  ``torch.save``): mapped, the compressed bytes would be taken for tensor data, so they are loaded
+  whole by ``torch.load(weights_only=True)`` without ``mmap`` (torch inflates them), with a note on
+  stderr saying so. Other compression methods (bzip2, LZMA), which torch cannot read, are refused.
 """
 
 from __future__ import annotations
@@ -26,7 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from analysis.dumps import _RAW, FLOAT_DTYPES, FP8_DTYPES, Dump, TensorSource, _pread_reader
+from analysis.dumps import (
+    _RAW,
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    Dump,
+    TensorSource,
+    _pread_reader,
+    _unique_names,
+)
 from analysis.dumps_strided import copy_c_range, drop_pages, mmap_strided_reader, readahead
 
 __all__ = ["open_pt"]
@@ -194,24 +207,6 @@ def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]], skipped: list, d
         skipped.append((prefix or "value", f"not a tensor ({type(obj).__name__})"))
 
 
-def _unique_names(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """Distinct names: a dotted name that comes again (key ``"a.b"`` next to ``{"a": {"b": ..}}``)
-    becomes ``a.b#2``, ``a.b#3``, ... so no record is mistaken for another."""
-    seen: dict[str, int] = {}
-    taken = {name for name, _ in pairs}
-    out = []
-    for name, t in pairs:
-        k = seen.get(name, 0) + 1
-        seen[name] = k
-        if k > 1:
-            while f"{name}#{k}" in taken:
-                k += 1
-            taken.add(f"{name}#{k}")
-            name = f"{name}#{k}"
-        out.append((name, t))
-    return out
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -219,6 +214,62 @@ def _first_line(exc: BaseException) -> str:
 
 def _torch_dtype_name(dt: Any) -> str:
     return str(dt).replace("torch.", "")
+
+
+#: zip compression methods by number, for messages
+_ZIP_METHODS = {zipfile.ZIP_DEFLATED: "deflate", zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "LZMA"}
+
+
+def _compressed_zip(path: str) -> bool:
+    """Whether a zip-format .pt has compressed members (then it cannot be memory-mapped: torch
+    would map the compressed bytes as tensor data). ValueError for a method torch cannot read
+    (only stored and deflated members are). False when Python's zipfile cannot read the
+    directory: torch.load then says what is wrong."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            methods = {i.compress_type for i in zf.infolist()} - {zipfile.ZIP_STORED}
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return False
+    unreadable = sorted(methods - {zipfile.ZIP_DEFLATED})
+    if unreadable:
+        how = ", ".join(_ZIP_METHODS.get(m, f"method {m}") for m in unreadable)
+        raise ValueError(f"{path}: zip members compressed with {how}, which torch cannot read "
+                         "(only stored or deflated members)")  # fmt: skip
+    return bool(methods)
+
+
+#: what torch's weights-only unpickler says when a pickle wants to import, call or build
+#: something it does not allow (GLOBAL, REDUCE, NEWOBJ, BUILD); everything else it raises is
+#: about bytes it cannot parse
+_CODE_SIGNS = ("GLOBAL", "call reduce", "create new object", "Can only build")
+#: lines of torch's wrapping around the unpickler's own message
+_TORCH_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation",
+                      "(1)", "(2)", "In PyTorch")  # fmt: skip
+
+
+def _unpickling_error(path: str, exc: BaseException) -> ValueError:
+    """The one-line ValueError of a pickle torch's weights-only unpickler refused: "refused: the
+    pickle wants to run code" only when it refused to import or call something; otherwise the
+    bytes are no valid torch pickle (random bytes, a damaged or foreign pickle)."""
+    lines = [ln.strip() for ln in str(exc).splitlines()]
+    detail = ""
+    for ln in lines:
+        if "WeightsUnpickler error:" in ln:
+            detail = ln.split("WeightsUnpickler error:", 1)[1].strip()
+        elif not detail and ln and not ln.startswith(_TORCH_BOILERPLATE):
+            detail = ln
+        if detail:
+            break
+    if not detail and lines:  # "Weights only load failed. <reason>" (e.g. a module to import)
+        rest = lines[0].removeprefix("Weights only load failed.").strip()
+        detail = "" if rest.startswith(("In PyTorch", "This file")) else rest
+    if any(sign in detail for sign in _CODE_SIGNS):
+        return ValueError(f"{path}: refused: the pickle wants to run code, and .pt files are "
+                          f"loaded with torch.load(weights_only=True) only ({detail})")  # fmt: skip
+    if "must be imported" in detail:  # NJTs, DTensors: a real torch file this reader cannot load
+        return ValueError(f"{path}: torch.load(weights_only=True) cannot load it here ({detail})")
+    return ValueError(f"{path}: not a valid PyTorch file (corrupt or not a torch.save pickle: "
+                      f"{detail or type(exc).__name__})")  # fmt: skip
 
 
 def open_pt(path: str) -> Dump:
@@ -232,7 +283,10 @@ def open_pt(path: str) -> Dump:
     mmapped, offsets, whole = True, {}, None
     try:
         layout = None
-        if not zipfile.is_zipfile(path):
+        if zipfile.is_zipfile(path):
+            if _compressed_zip(path):
+                mmapped, whole = False, "its zip members are compressed, which cannot be mapped"
+        else:
             try:
                 with warnings.catch_warnings():  # as in load(): the error says it all
                     warnings.simplefilter("ignore")
@@ -243,6 +297,9 @@ def open_pt(path: str) -> Dump:
                 whole = _first_line(exc)
         if layout is not None:
             (obj, offsets), mmapped = layout, False
+        elif not mmapped:  # compressed zip members: torch inflates them as it loads
+            obj = load(False)
+            print(f"note: {path}: loaded whole into memory ({whole})", file=sys.stderr)
         else:
             try:
                 obj = load(True)
@@ -256,14 +313,12 @@ def open_pt(path: str) -> Dump:
     except ValueError:
         raise
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()
-        detail = next((ln.strip() for ln in first if "GLOBAL" in ln or "Unsupported" in ln), "")
-        raise ValueError(
-            f"{path}: refused: the pickle wants to run code, and .pt files are loaded with "
-            f"torch.load(weights_only=True) only ({detail or 'unsafe pickle'})"
-        ) from None
-    except Exception as exc:  # truncated zip, EOF, bad magic number, ...
-        raise ValueError(f"{path}: corrupt or truncated torch file ({_first_line(exc)})") from None
+        raise _unpickling_error(path, exc) from None
+    except Exception as exc:  # truncated zip, EOF, bad magic number, a key torch did not find...
+        why = _first_line(exc)
+        if isinstance(exc, (LookupError, TypeError, AttributeError)):  # KeyError('101'): say so
+            why = f"{type(exc).__name__}: {why}"
+        raise ValueError(f"{path}: corrupt or truncated torch file ({why})") from None
     pairs: list[tuple[str, Any]] = []
     skipped: list[tuple[str, str]] = []
     _flatten(obj, "", pairs, skipped, path=path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from typing import Any
 
 from analysis.dumps import Dump, TensorSource, open_dump
@@ -25,8 +26,11 @@ _SHARD = re.compile(r"^(?P<prefix>.+)-(?P<k>\d+)-of-(?P<total>\d+)\.(?P<ext>safe
 
 
 def read_json(path: str) -> tuple[Any, str]:
-    """(parsed JSON, "") or (None, why it could not be read); (None, "") if there is no file."""
+    """(parsed JSON, "") or (None, why it could not be read); (None, "") if there is no file.
+    Only a regular file is opened (a FIFO would block): anything else is "not a regular file"."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None, "is not a regular file"
         with open(path, "rb") as f:
             text = f.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError:

@@ -1,10 +1,29 @@
-"""Which of the paths an ``analyze`` command reached are analyzed: each file once."""
+"""Which of the paths an ``analyze`` command reached are analyzed: each file once, and regular
+files only (a FIFO, socket or device with a dump's name is refused by name, never opened)."""
 
 from __future__ import annotations
 
 import os
+import stat
 
-__all__ = ["each_file_once"]
+__all__ = ["each_file_once", "require_regular_file"]
+
+_FILE_KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))  # fmt: skip
+
+
+def require_regular_file(path: str) -> None:
+    """ValueError ``"<path>: a named pipe (FIFO), not a regular file ..."`` unless ``path``
+    (through symbolic links) is a regular file. It is only stat'ed: a FIFO is never opened
+    (opening one blocks until a writer comes; a device may never end)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(mode):
+        kind = next((what for test, what in _FILE_KINDS if test(mode)), "a special file")
+        raise ValueError(f"{path}: {kind}, not a regular file or a directory; dumps are read "
+                         "from regular files only")  # fmt: skip
 
 
 def each_file_once(paths: list[str]) -> tuple[list[str], list[dict]]:
