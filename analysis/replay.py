@@ -9,8 +9,9 @@ are fed in order (steps ascending; within a step in recording order). Per record
    power of two, else a (lower, upper) bracket (the histogram bin that straddles the threshold);
    an *overflow event* when the amax itself rounds above ``fmt.max`` after scaling (exact);
 3. ``policy.observe(name, amax, fmt, numel=..., n_at_max=..., overflow=...)``, where ``n_at_max``
-   counts values that land on ``+-fmt.max`` in the saturating cast (the FP8-LM auto-scaling
-   signal; for a non-power-of-two scale the midpoint of its bracket).
+   counts values that land on ``+-fmt.max`` in the saturating cast, infs included (the FP8-LM
+   auto-scaling signal, as ``policy.quantize`` counts it; for a non-power-of-two scale the
+   midpoint of its bracket).
 
 The trace's own scales (what the run did) appear as the pseudo-policy ``recorded``, with the
 recorder's exact counts. Shares: overflow of the finite values, underflow of the nonzero finite
@@ -183,7 +184,8 @@ def replay_policies(
                 exact = ov[0] == ov[1] and un[0] == un[1]
                 am = _at_max(rec.hist, fmt, scale)
                 pol.observe(
-                    rec.name, rec.amax, fmt, numel=rec.numel, n_at_max=int(round(sum(am) / 2)),
+                    rec.name, rec.amax, fmt, numel=rec.numel,
+                    n_at_max=int(round(sum(am) / 2)) + rec.inf,  # +-inf saturate to +-max
                     overflow=int(round(sum(ov) / 2)),
                 )  # fmt: skip
             for c, v in zip(

@@ -137,3 +137,24 @@ def test_the_same_policy_spelled_twice_is_replayed_once(trace):
                                   "delayed:history=4,algo=max"], include_recorded=False)  # fmt: skip
     assert [r.policy for r in reps] == [parse_policy("current").spec,
                                         parse_policy("delayed:history=4").spec]  # fmt: skip
+
+
+def test_autoscale_replay_counts_infs_at_max_as_the_live_policy(tmp_path):
+    # an inf saturates to max in the cast, so policy.quantize counts it in n_at_max; the replay
+    # (which reads the finite histogram) must add the record's infs: the same scales step by step
+    rng = np.random.default_rng(1)
+    xs = []
+    with TraceWriter(tmp_path / "t", {}) as tw:
+        tw.add_tensor("X", "weight_grad", "e4m3", (256,))
+        for s in range(4):
+            x = rng.standard_normal(256).astype(np.float32)
+            x[0] = np.inf
+            tw.record(s, "X", x, scale=1.0)
+            xs.append(x)
+    spec = "autoscale:base=none,ratio=0.001,window=2,mu_max=4"
+    (rep,) = replay_policies(tmp_path / "t", [spec], include_recorded=False)
+    live, pol = [], parse_policy(spec)
+    for x in xs:
+        live.append(pol.scale_for("X", "e4m3"))
+        pol.quantize("X", x, "e4m3")
+    assert list(rep.cols["scale"]) == live and live[-1] < live[0]
