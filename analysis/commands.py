@@ -199,25 +199,42 @@ def _msg(text: str) -> None:
 # ------------------------------------------------------------------------------------------
 # analyze
 # ------------------------------------------------------------------------------------------
+def _per_step(tensor: np.ndarray, step: np.ndarray, *cols: np.ndarray):
+    """Records summed per (tensor, step): a step may hold several records of a tensor
+    (micro-batches). Returns (tensor, step, *summed cols), in (tensor, step) order."""
+    keys, inv = np.unique(np.stack([tensor, step], axis=1), axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    sums = []
+    for c in cols:
+        acc = np.zeros(len(keys), np.int64)
+        np.add.at(acc, inv, c)
+        sums.append(acc)
+    return (keys[:, 0], keys[:, 1], *sums)
+
+
 def _trace_rows(dump, th) -> tuple[list[dict], dict]:
-    """Per-tensor rows of a trace's recorded statistics (all steps), and heatmap data."""
+    """Per-tensor rows of a trace's recorded statistics (all steps), and heatmap data. Several
+    records of a tensor in one step (micro-batches) count as one step: their counts add up."""
     from analysis.report import classify
 
     reader = dump.trace
     sc = reader.scalars()
     rows = []
-    finite = sc["numel"] - sc["nan"] - sc["inf"]
-    nonzero = finite - sc["zero"]
+    tens, step, numel, nan, inf, zero, over, under = _per_step(
+        sc["tensor"], sc["step"], sc["numel"], sc["nan"], sc["inf"], sc["zero"], sc["overflow"],
+        sc["underflow"])  # fmt: skip
+    finite = numel - nan - inf
+    nonzero = finite - zero
     with np.errstate(invalid="ignore", divide="ignore"):
-        ov_share = np.where(finite > 0, 100.0 * sc["overflow"] / np.maximum(finite, 1), 0.0)
-        un_share = np.where(nonzero > 0, 100.0 * sc["underflow"] / np.maximum(nonzero, 1), 0.0)
+        ov_share = np.where(finite > 0, 100.0 * over / np.maximum(finite, 1), 0.0)
+        un_share = np.where(nonzero > 0, 100.0 * under / np.maximum(nonzero, 1), 0.0)
     for t in reader.tensors:
-        sel = sc["tensor"] == t.index
+        sel = tens == t.index
         if not sel.any():
             continue
+        rsel = sc["tensor"] == t.index  # its records
         fin, nz = int(finite[sel].sum()), int(nonzero[sel].sum())
-        ov, un = int(sc["overflow"][sel].sum()), int(sc["underflow"][sel].sum())
-        steps = sc["step"][sel]
+        ov, un = int(over[sel].sum()), int(under[sel].sum())
         us = un_share[sel]
         w = int(np.argmax(us))
         row = {
@@ -228,18 +245,18 @@ def _trace_rows(dump, th) -> tuple[list[dict], dict]:
             "scaling": "recorded",
             "shape": list(t.shape),
             "steps": int(sel.sum()),
-            "numel": int(sc["numel"][sel].sum()),
-            "amax": float(np.nanmax(sc["amax"][sel])) if np.isfinite(sc["amax"][sel]).any() else None,
-            "scale": float(sc["scale"][sel][-1]),
+            "numel": int(numel[sel].sum()),
+            "amax": float(np.nanmax(sc["amax"][rsel])) if np.isfinite(sc["amax"][rsel]).any() else None,
+            "scale": float(sc["scale"][rsel][-1]),
             "overflow": ov,
             "underflow": un,
-            "nan": int(sc["nan"][sel].sum()),
-            "inf": int(sc["inf"][sel].sum()),
+            "nan": int(nan[sel].sum()),
+            "inf": int(inf[sel].sum()),
             "overflow_pct": 100.0 * ov / fin if fin else 0.0,
             "underflow_pct": 100.0 * un / nz if nz else 0.0,
-            "overflow_steps": int((sc["overflow"][sel] > 0).sum()),
+            "overflow_steps": int((over[sel] > 0).sum()),
             "worst_underflow_pct": float(us[w]),
-            "worst_underflow_step": int(steps[w]),
+            "worst_underflow_step": int(step[sel][w]),
         }
         row["status"] = classify(row, th)
         rows.append(row)
@@ -248,7 +265,7 @@ def _trace_rows(dump, th) -> tuple[list[dict], dict]:
     mats = {}
     for key, share in (("underflow", un_share), ("overflow", ov_share)):
         m = np.full((len(names), steps.size), np.nan)
-        m[sc["tensor"], np.searchsorted(steps, sc["step"])] = share
+        m[tens, np.searchsorted(steps, step)] = share
         mats[key] = m
     return rows, {"names": names, "steps": steps, **mats}
 

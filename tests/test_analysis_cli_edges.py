@@ -276,6 +276,24 @@ def test_an_amax_beyond_float32_is_inf_in_the_table_and_the_rules(tmp_path, caps
         assert rc == (1 if crossed else 0), (rule, err)
 
 
+def test_trace_records_of_one_step_count_as_one_step(tmp_path, capsys):
+    # two records per step (micro-batches): 2 steps, overflow in step 0 only; the counts add up
+    rng = np.random.default_rng(0)
+    xs = {}
+    with TraceWriter(tmp_path / "tr", {}) as tw:
+        tw.add_tensor("X", "weight_grad", "e4m3", (256,))
+        for step in range(2):
+            for _ in range(2):
+                x = rng.standard_normal(256).astype(np.float32) * (1000 if step == 0 else 1)
+                tw.record(step, "X", x, scale=1.0)
+                xs.setdefault(step, []).append(x)
+    js = tmp_path / "r.json"
+    rc, out, err = run(capsys, "analyze", tmp_path / "tr", "--json", js)
+    (row,) = json.loads(js.read_text())["traces"][0]["tensors"]
+    over = sum(int((np.abs(x) > 464).sum()) for x in xs[0])  # e4m3: above 464 rounds past 448
+    assert (row["steps"], row["overflow_steps"], row["overflow"]) == (2, 1, over) and over > 0
+
+
 def test_an_internal_error_exits_3_in_one_line(good, capsys, monkeypatch):
     import analysis.stats
 
