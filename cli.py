@@ -55,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    try:  # the commands' modules import torch here: a second or so where Ctrl-C can land
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+    except KeyboardInterrupt:
+        print("fp8sim: interrupted", file=sys.stderr)
+        return 130
     if extra:  # paths after an option (``analyze a.npy --keep-going b.npy``) are still paths
         if args.command == "analyze" and not any(e.startswith("-") for e in extra):
             args.paths.extend(extra)

@@ -118,3 +118,15 @@ def test_an_interrupt_wrapped_by_numba_is_an_interrupt(capsys, monkeypatch):
     monkeypatch.setattr(formats_cmd, "run", wrapped)
     rc, _, err = run(capsys, "formats")
     assert (rc, err.strip()) == (130, "fp8sim formats: interrupted")
+
+
+def test_an_interrupt_while_the_commands_load_is_one_line(capsys, monkeypatch):
+    # Ctrl-C during the first second (the command modules import torch): no traceback
+    import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    rc, _, err = run(capsys, "analyze", "x.npy")
+    assert (rc, err.strip()) == (130, "fp8sim: interrupted")
