@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from typing import Sequence
 
 import numpy as np
@@ -54,6 +55,10 @@ class PlotDir:
         except OSError as exc:
             raise ValueError(f"{option} {directory}: cannot create directory "
                              f"({exc.strerror or exc})") from None  # fmt: skip
+        try:  # writable? asked before any work (a probe file, gone at once)
+            tempfile.TemporaryFile(dir=directory).close()
+        except OSError as exc:
+            raise ValueError(f"{option} {directory}: not writable ({exc.strerror or exc})") from None
         self.dir = directory
         self._written: list[str] = []
         self._before = self._listed()

@@ -294,6 +294,24 @@ def test_trace_records_of_one_step_count_as_one_step(tmp_path, capsys):
     assert (row["steps"], row["overflow_steps"], row["overflow"]) == (2, 1, over) and over > 0
 
 
+def test_an_unwritable_plot_dir_is_refused_before_any_work(good, tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    real = tempfile.TemporaryFile
+    target = str(tmp_path / "p")
+
+    def refused(*a, dir=None, **k):  # an immutable or read-only directory (root passes chmod)
+        if dir is not None and str(dir) == target:
+            raise PermissionError(1, "Operation not permitted")
+        return real(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refused)
+    calls = []
+    monkeypatch.setattr("analysis.stats.tensor_stats", lambda *a, **k: calls.append(1))
+    rc, out, err = run(capsys, "analyze", good, "--plot", tmp_path / "p")
+    assert rc == 2 and not calls and err.strip().endswith("p: not writable (Operation not permitted)")
+
+
 def test_an_internal_error_exits_3_in_one_line(good, capsys, monkeypatch):
     import analysis.stats
 
