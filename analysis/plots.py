@@ -34,6 +34,15 @@ def safe_name(name: str, index: int | None = None, limit: int = 80) -> str:
     return f"{index:04d}_{s}" if index is not None else s
 
 
+def _label(text: str) -> str:
+    """A tensor name or title as figure text: control characters escaped as the table writes
+    them (no raw terminal escape in matplotlib's missing-glyph warnings), ``$`` taken literally
+    (matplotlib would read ``$...$`` as mathtext, and refuse a malformed one)."""
+    from analysis.report import escape_cell
+
+    return escape_cell(text).replace("$", r"\$")
+
+
 class PlotDir:
     """The ``--plot`` directory of one run (made if missing).
 
@@ -161,7 +170,7 @@ def plot_log2_histogram(
         aw.set_xlim(lo_e - 1, hi_e + 12)  # room for the labels
         aw.set_xlabel("log2 |x|   (bars: |x| range each format x scaling represents)")
         ax.set_ylabel("values per binade")
-        ax.set_title(title, fontsize=9)
+        ax.set_title(_label(title), fontsize=9)
         fig.tight_layout()
         save_figure(fig, path)
     finally:
@@ -187,9 +196,9 @@ def plot_heatmap(
         ext = [float(steps[0]) - 0.5, float(steps[-1]) + 0.5, len(names) - 0.5, -0.5] if len(steps) else None
         im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="magma", extent=ext)
         ax.set_yticks(range(len(names)))
-        ax.set_yticklabels([n[-40:] for n in names], fontsize=6)
+        ax.set_yticklabels([_label(n)[-40:] for n in names], fontsize=6)
         ax.set_xlabel("step")
-        ax.set_title(title, fontsize=9)
+        ax.set_title(_label(title), fontsize=9)
         fig.colorbar(im, ax=ax, label=label)
         fig.tight_layout()
         save_figure(fig, path)

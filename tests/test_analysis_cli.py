@@ -354,3 +354,16 @@ def test_replay_fail_on(trace, tmp_path, capsys):
 def test_replay_fail_on_bad_rules_exit_2(trace, capsys, rules, says):
     rc, out, err = run(capsys, "replay", str(trace), "--policy", "current", "--fail-on", rules)
     assert rc == 2 and says in err and err.count("\n") == 1 and out == ""
+
+
+def test_plot_labels_take_names_literally(tmp_path):
+    # a terminal escape and a malformed mathtext in tensor names: no warning, no refusal
+    import warnings
+
+    from analysis.plots import plot_heatmap
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_heatmap(tmp_path / "h.png", "x \x1b[31m $\\frac{$", ["a\x1bb", "$\\frac{x$", "n\nl"],
+                     np.arange(3), np.ones((3, 3)))  # fmt: skip
+    assert (tmp_path / "h.png").stat().st_size > 0
