@@ -204,11 +204,8 @@ def _per_step(tensor: np.ndarray, step: np.ndarray, *cols: np.ndarray):
     (micro-batches). Returns (tensor, step, *summed cols), in (tensor, step) order."""
     keys, inv = np.unique(np.stack([tensor, step], axis=1), axis=0, return_inverse=True)
     inv = inv.reshape(-1)
-    sums = []
-    for c in cols:
-        acc = np.zeros(len(keys), np.int64)
-        np.add.at(acc, inv, c)
-        sums.append(acc)
+    # float64 weights: counts below 2**53 add up exactly
+    sums = [np.bincount(inv, weights=c, minlength=len(keys)).astype(np.int64) for c in cols]
     return (keys[:, 0], keys[:, 1], *sums)
 
 
@@ -311,6 +308,8 @@ def run_analyze(args: argparse.Namespace) -> int:
     if args.chunk < 1 or args.top < 0:
         raise ValueError("--chunk must be >= 1 and --top >= 0")
     fp8_block = parse_block(args.fp8_block) if args.fp8_block is not None else None
+    if fp8_block is not None and args.fp8_scales != "apply":  # it would change nothing
+        raise ValueError("--fp8-block applies with --fp8-scales apply only")
     _check_json_dest(args.json)
     plot_dir = _plot_dir(args.plot)
     errors: list[dict] = []
