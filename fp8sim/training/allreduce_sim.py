@@ -23,6 +23,12 @@ and in how the sum is formed:
 * ``ring``  -- an N-hop ring whose every hop re-rounds the partial sum to FP8, as an all-reduce
   over FP8 buffers does; chunk ``j`` (of N equal chunks) starts at rank ``(j + 1) % N``.
 
+The global amax is what an all-reduce of the ranks' amaxes (``all_reduce(MAX)`` of CUDA float32
+tensors) gives: each rank's own amax propagates NaN (``torch.amax``, :func:`fp8sim.scaling.
+compute_amax`), and the MAX across ranks skips NaN amaxes like NCCL's float MAX (``fmaxf``): a rank
+holding a NaN does not decide ``k``, the global amax is NaN only when every rank's amax is NaN
+(then ``scale_from_amax`` gives scale 1). The result does not depend on which rank holds the NaN.
+
 Errors are measured against the float32 average of the unquantized gradients (summed in float64,
 rounded once). ``replay_allreduce`` runs every variant over the gradients saved in a trace
 (``fp8sim replay --allreduce N``).
@@ -33,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -51,6 +58,8 @@ __all__ = [
     "sum_codes",
     "ring_sum_codes",
     "simulate_allreduce",
+    "error_figures",
+    "global_amax",
     "load_rank_gradients",
     "replay_allreduce",
     "format_allreduce_report",
@@ -145,7 +154,10 @@ class AllReduceStats:
     ``overflow_sum``: result elements that saturated in the sum (any hop, for the ring);
     ``underflow_in``: nonzero inputs encoded to zero; ``nonzero_in``: nonzero inputs;
     ``underflow_out``: elements whose float32 average is nonzero but the result is zero;
-    ``rel_error``: ``||avg - ref||_2 / ||ref||_2``; ``snr_db``: ``20 log10(||ref|| / ||avg - ref||)``;
+    ``rel_error``: ``||avg - ref||_2 / ||ref||_2``; ``snr_db``: ``20 log10(||ref|| / ||avg - ref||)``
+    (:func:`error_figures`: no error gives ``(0, inf)``, an error over a zero reference ``(inf,
+    -inf)``, and a NaN anywhere -- a NaN gradient, a NaN sum -- ``(nan, nan)``: undefined, never
+    an SNR of ``inf`` next to a NaN error);
     ``k``: the multiplier used; ``mu``: AutoScale's factor (1 for the other methods).
     """
 
@@ -166,6 +178,37 @@ class AllReduceStats:
     @property
     def underflow_share(self) -> float:
         return self.underflow_in / self.nonzero_in if self.nonzero_in else 0.0
+
+
+def error_figures(err: float, nref: float) -> tuple[float, float]:
+    """``(rel_error, snr_db)`` of an error norm ``err`` against a reference norm ``nref``.
+
+    NaN in either gives ``(nan, nan)`` (undefined); ``err == 0`` gives ``(0, inf)``; an error over
+    a zero reference, or an infinite error, ``(inf, -inf)``; otherwise ``err / nref`` and
+    ``20 log10(nref / err)``. The two figures never disagree (no ``inf`` SNR beside a NaN or
+    infinite error)."""
+    err, nref = float(err), float(nref)
+    if math.isnan(err) or math.isnan(nref) or (math.isinf(err) and math.isinf(nref)):
+        return math.nan, math.nan
+    if err == 0:
+        return 0.0, math.inf
+    if nref == 0 or math.isinf(err):
+        return math.inf, -math.inf
+    if math.isinf(nref):
+        return 0.0, math.inf
+    return err / nref, 20 * math.log10(nref / err)
+
+
+def global_amax(grads: Sequence[torch.Tensor]) -> float:
+    """The all-reduced amax of per-rank gradients, independent of the ranks' order.
+
+    Each rank's amax is ``max |g_r|`` with NaN propagating (``torch.amax``; 0 for an empty
+    tensor); the MAX across ranks skips NaN amaxes, as ``all_reduce(MAX)`` of CUDA float32
+    amaxes does (NCCL reduces floats with ``fmaxf``). NaN only when every rank's amax is NaN;
+    ``inf`` when some rank holds an inf."""
+    local = [float(g.abs().amax()) if g.numel() else 0.0 for g in grads]
+    known = [a for a in local if not math.isnan(a)]
+    return max(known) if known else math.nan
 
 
 def _multiplier(method: str, amax: float, n: int, fmt: FloatFormat, policy: Any, name: str) -> tuple[float, float]:
@@ -204,7 +247,7 @@ def simulate_allreduce(
     fmt = get_format(fmt)
     n = len(grads)
     gs = [g.detach().to(torch.float32).cpu() for g in grads]
-    amax = max(float(g.abs().max()) if g.numel() else 0.0 for g in gs)
+    amax = global_amax(gs)  # order-independent: a NaN rank does not decide k (module docstring)
     if method == "autoscale" and policy is None:
         from fp8sim.policies import parse_policy
 
@@ -226,16 +269,14 @@ def simulate_allreduce(
         out, over_sum = ring_sum_codes(codes, fmt, backend)
     avg = decode_codes(out, fmt) / (k32 * n)
     ref = (torch.stack([g.double() for g in gs]).sum(0) / n).float()
-    err = float((avg.double() - ref.double()).norm())
-    nref = float(ref.double().norm())
+    rel_error, snr_db = error_figures(float((avg.double() - ref.double()).norm()), float(ref.double().norm()))
     under_out = int(((ref != 0) & (avg == 0)).sum())
     if method == "autoscale":
         policy.observe(name, amax, fmt, numel=out.numel(), n_at_max=int(_at_max(out, fmt).sum()))
     stats = AllReduceStats(
         method=method, reduce=reduce, ranks=n, numel=out.numel(), overflow_in=over_in, overflow_sum=over_sum,
         underflow_in=under_in, nonzero_in=nonzero, underflow_out=under_out,
-        rel_error=err / nref if nref else (0.0 if err == 0 else math.inf),
-        snr_db=20 * math.log10(nref / err) if err and nref else math.inf, k=k, mu=mu,
+        rel_error=rel_error, snr_db=snr_db, k=k, mu=mu,
     )
     return avg, stats
 
@@ -243,15 +284,62 @@ def simulate_allreduce(
 # -- over a recorded trace ------------------------------------------------------------------------
 
 
-def _rank_dirs(path: Path) -> list[Path]:
+_RANK_NAME = re.compile(r"rank(0|[1-9][0-9]*)")  # what ``fp8sim train --nproc N --record`` writes
+_RANK_LIKE = re.compile(r"rank([0-9]+)")  # rank01, rank00: the same numbers, spelled otherwise
+
+
+def _rank_dirs(path: Path, ranks: int, notes: list[str]) -> list[Path]:
+    """``path``'s per-rank traces ``rank0/ .. rank{ranks-1}/`` (empty: no per-rank traces).
+
+    A rank directory is named exactly ``rank<N>``, ``N`` in decimal without leading zeros, as
+    ``fp8sim train --record`` names them. Other ``rank*`` directories (``rank1.bak``, ``rank``,
+    ``rank01``) are ignored, named in one line appended to ``notes``; a trace spelled with leading zeros
+    next to the trace of the same rank (``rank01/`` beside ``rank1/``) is refused, as is a gap in
+    ``0 .. ranks-1`` or a rank directory there that is not a trace. Raises ValueError (one line).
+    """
     from fp8sim.trace import is_trace
 
-    subs = sorted((p for p in path.glob("rank*") if p.is_dir() and is_trace(p)), key=lambda p: int(p.name[4:] or 0))
-    return subs
+    found: dict[int, Path] = {}
+    odd: list[tuple[int, Path]] = []
+    ignored: list[str] = []
+    for p in sorted(path.glob("rank*")):
+        if not p.is_dir():
+            continue
+        if _RANK_NAME.fullmatch(p.name):
+            found[int(p.name[4:])] = p
+            continue
+        m = _RANK_LIKE.fullmatch(p.name)
+        if m and is_trace(p):
+            odd.append((int(m.group(1)), p))
+        else:
+            ignored.append(p.name)
+    traces = {r: p for r, p in found.items() if is_trace(p)}
+    for r, p in odd:
+        if r in traces:
+            raise ValueError(f"{path}: {p.name}/ and {traces[r].name}/ both hold traces of rank {r}; "
+                             "remove or rename one")  # fmt: skip
+        ignored.append(p.name)
+    if ignored:
+        notes.append(f"ignored {', '.join(n + '/' for n in sorted(ignored))} under {path}: not rank "
+                     "directories (rank0/ rank1/ ..., as fp8sim train --record names them)")  # fmt: skip
+    if not traces:
+        return []
+    missing = [r for r in range(ranks) if r not in traces]
+    if missing:
+        have = sorted(traces)
+        shown = ", ".join(f"rank{r}/" for r in have[:8]) + (" ..." if len(have) > 8 else "")
+        absent = [f"rank{r}/" for r in missing if r not in found]
+        bad = [found[r].name + "/" for r in missing if r in found]
+        why = "; ".join(f"{what} {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                        for what, names in (("missing", absent), ("not an fp8sim trace:", bad)) if names)
+        also = f"; ignored {', '.join(n + '/' for n in sorted(ignored))}" if ignored else ""
+        raise ValueError(f"{path}: holds traces of {len(traces)} ranks, --allreduce asks for {ranks}, which needs "
+                         f"rank0/ .. rank{ranks - 1}/: {why} (found {shown}{also})")  # fmt: skip
+    return [traces[r] for r in range(ranks)]
 
 
 def load_rank_gradients(
-    path: str | os.PathLike, ranks: int
+    path: str | os.PathLike, ranks: int, *, notes: list[str] | None = None
 ) -> tuple[str, list[tuple[int, str, list[torch.Tensor]]], list[tuple[int, str]]]:
     """Per-rank weight gradients from a trace, as ``(source, [(step, name, [g_0 .. g_{N-1}])])``.
 
@@ -261,19 +349,21 @@ def load_rank_gradients(
       tensor stand in for the ranks of one step (``source = "steps-as-ranks"``, a proxy: the
       gradients of neighbouring steps, not of one step's ranks).
 
-    Only tensors of role ``weight_grad`` with saved full tensors are used.
+    Only tensors of role ``weight_grad`` with saved full tensors are used. Rank directories are
+    named exactly ``rank<N>`` (no leading zeros) and ``rank0 .. rank{ranks-1}`` must all be
+    traces (more ranks are allowed: the first ``ranks`` are used); other ``rank*`` directories
+    are ignored with a line appended to ``notes`` (see ``_rank_dirs``).
     """
     from fp8sim.trace import TraceReader, is_trace
 
     if not isinstance(ranks, int) or ranks < 2:
         raise ValueError(f"--allreduce: need at least 2 ranks, got {ranks!r}")
     path = Path(path)
-    subs = _rank_dirs(path) if path.is_dir() else []
+    notes = [] if notes is None else notes
+    subs = _rank_dirs(path, ranks, notes) if path.is_dir() else []
     out: list[tuple[int, str, list[torch.Tensor]]] = []
     if subs:
-        if len(subs) < ranks:
-            raise ValueError(f"{path}: holds traces of {len(subs)} ranks, --allreduce asks for {ranks}")
-        readers = [TraceReader(p) for p in subs[:ranks]]
+        readers = [TraceReader(p) for p in subs]
         wgrad = {t.name for t in readers[0].tensors if t.role == "weight_grad"}
         common = set(readers[0].saved_tensors())
         union = set(common)
@@ -299,7 +389,8 @@ def load_rank_gradients(
         out.sort(key=lambda e: (e[0], e[1]))
         source, skipped = "steps-as-ranks", []
     else:
-        raise ValueError(f"{path}: not an fp8sim trace nor a directory of rank*/ traces")
+        raise ValueError(f"{path}: not an fp8sim trace nor a directory of rank0/ rank1/ ... traces"
+                         + (f"; {notes[-1]}" if notes else ""))
     if not out:
         raise ValueError(
             f"{path}: no saved weight gradients for {ranks} ranks (record with --save-every K; a single "
@@ -324,7 +415,11 @@ def replay_allreduce(
     (method, reduction) with totals over all (step, tensor) records: ``overflow_events``
     (records with any saturated sum), ``overflow_sum`` / ``overflow_in`` (elements),
     ``underflow_share`` (of nonzero inputs), ``underflow_out``, ``rel_error_mean`` /
-    ``rel_error_max``, ``snr_db_mean``, and for autoscale the final ``mu`` per tensor.
+    ``rel_error_max``, ``snr_db_mean``, ``nan_records`` (records whose error is undefined: a NaN
+    gradient or sum), and for autoscale the final ``mu`` per tensor. A NaN record makes the
+    error figures NaN (mean, max and SNR alike); otherwise ``snr_db_mean`` is the mean over the
+    records of finite SNR (``inf``: every record exact; ``-inf``: some error over a zero
+    reference). ``notes``: lines about ``rank*`` directories left out.
     ``autoscale``: the policy spec of the autoscale rows (one fresh policy per row).
     """
     from fp8sim.policies import parse_policy
@@ -332,7 +427,8 @@ def replay_allreduce(
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown all-reduce method {m!r}; valid: {', '.join(METHODS)}")
-    source, records, skipped = load_rank_gradients(path, ranks)
+    notes: list[str] = []
+    source, records, skipped = load_rank_gradients(path, ranks, notes=notes)
     rows = []
     for method in methods:
         for reduce in reductions:
@@ -347,17 +443,28 @@ def replay_allreduce(
                     acc[key] += getattr(st, key)
                 errs.append(st.rel_error)
                 snrs.append(st.snr_db)
-            finite = [s for s in snrs if math.isfinite(s)]
             row = {"method": method, "reduce": reduce, **acc,
                    "underflow_share": acc["underflow_in"] / acc["nonzero_in"] if acc["nonzero_in"] else 0.0,
                    "rel_error_mean": float(np.mean(errs)), "rel_error_max": float(np.max(errs)),
-                   "snr_db_mean": float(np.mean(finite)) if finite else math.inf}
+                   "snr_db_mean": _mean_snr(snrs), "nan_records": sum(math.isnan(e) for e in errs)}
             if policy is not None:
                 row["mu"] = {name: policy.mu(name) for name in sorted({r[1] for r in records})}
             rows.append(row)
     return {"source": source, "ranks": ranks, "format": get_format(fmt).name, "records": len(records),
             "steps": sorted({r[0] for r in records}), "rows": rows,
-            "incomplete": [[step, name] for step, name in skipped]}
+            "incomplete": [[step, name] for step, name in skipped], "notes": notes}
+
+
+def _mean_snr(snrs: Sequence[float]) -> float:
+    """Mean SNR of a row: NaN if any record's is NaN (as its error mean is), ``-inf`` if any
+    record's error is over a zero reference, else the mean of the finite ones (``inf`` if all
+    records are exact)."""
+    if any(math.isnan(s) for s in snrs):
+        return math.nan
+    if any(s == -math.inf for s in snrs):
+        return -math.inf
+    finite = [s for s in snrs if math.isfinite(s)]
+    return float(np.mean(finite)) if finite else math.inf
 
 
 def format_allreduce_report(result: dict) -> str:
@@ -376,10 +483,18 @@ def format_allreduce_report(result: dict) -> str:
             f"{100 * r['underflow_share']:>10.3f}%{r['rel_error_mean']:>10.2e}{r['rel_error_max']:>10.2e}"
             f"{r['snr_db_mean']:>8.1f}"
         )
+    notes = list(result.get("notes") or [])
     gone = result.get("incomplete") or []
     if gone:
         shown = ", ".join(f"{n} @ {s}" for s, n in gone[:5]) + (" ..." if len(gone) > 5 else "")
-        lines.append(f"\nnote: {len(gone)} (step, tensor) pairs saved by only some ranks left out: {shown}")
+        notes.append(f"{len(gone)} (step, tensor) pairs saved by only some ranks left out: {shown}")
+    nan = max((r.get("nan_records", 0) for r in result["rows"]), default=0)
+    if nan:
+        notes.append(f"{nan} (step, tensor) records hold NaN (gradients or sums): their error is undefined, "
+                     "so rel err and SNR read nan")
+    if notes:
+        lines.append("")
+        lines.extend(f"note: {n}" for n in notes)
     return "\n".join(lines)
 
 
