@@ -61,6 +61,12 @@ def _session(rank: int, world: int, tmp: str, init_file: str) -> None:
     res["bytes"] = counter.pop()
     res["mu"] = {n: red.policy.mu(n) for n in SHAPES}
 
+    # 1a. rank 1's gradients all zero: they set no bound on the shared scale (the minimum)
+    zg = {n: grads[n] if rank == 0 else torch.zeros_like(grads[n]) for n in SHAPES}
+    red_z = Fp8GradReducer(params.items(), set(SHAPES), world=world)
+    red_z.reduce([(params[n], zg[n]) for n in SHAPES])
+    res["zero_rank_sinv"] = {n: float(red_z.stash[id(params[n])][1]) for n in SHAPES}
+
     # 1b. ZeRO owners: each gradient reduced onto its owner only, the same codes as the all-reduce
     everything = set(grads)  # every gradient in FP8 (fp8_grads=all)
     red_all = Fp8GradReducer(params.items(), everything, world=world)
@@ -177,6 +183,17 @@ def test_fp8_allreduce_equals_float32_allreduce_of_dequantized_within_one_roundi
     # the bias went through a bfloat16 all-reduce: bf16(bf16(g0) + bf16(g1)) / 2
     b = sum(gr["a.bias"].to(torch.bfloat16) for gr in g).float() / WORLD
     assert torch.equal(res[0]["reduce"]["a.bias"], b.to(torch.bfloat16).float())
+
+
+def test_a_rank_with_zero_gradients_does_not_set_the_shared_scale(session):
+    # FP8-LM's min over ranks of mu * 448 / amax: an all-zero rank (amax 0) gives no bound, so
+    # the shared scale is rank 0's, not the 1 that the amax-0 rule would force on everyone
+    _, res = session
+    g0 = _grads(0)
+    for name in SHAPES:
+        s = np.float32(np.float32(448) / np.float32(float(g0[name].abs().max())))
+        want = float(np.float32(np.float32(1) / s) / np.float32(WORLD))
+        assert res[0]["zero_rank_sinv"][name] == res[1]["zero_rank_sinv"][name] == want, name
 
 
 def test_bytes_sent_per_rank(session):

@@ -5,7 +5,9 @@ The FP8 all-reduce (FP8-LM section 2.1) of the FP8 linears' weight gradients, pe
 1. every rank computes its scale per tensor, ``mu * fmt.max / amax_local`` with AutoScale's
    ``mu`` (:class:`fp8sim.policies.AutoScale`; or MS-AMP's fixed ``2**floor(log2(fmt.max /
    amax)) / sqrt(N)`` with ``scaling="msamp"``);
-2. one ``all_reduce(MIN)`` of the scales gives the shared scale ``s`` (the paper's global minimum);
+2. one ``all_reduce(MIN)`` of the scales gives the shared scale ``s`` (the paper's global minimum;
+   a rank whose amax is 0 or NaN sets no bound, as ``fmax / 0`` would not: an all-zero gradient
+   on one rank must not force the scale down to 1 for all; no bound at all: the rule at amax 0);
 3. every rank encodes ``encode(float32(g) * s)`` (E4M3, nearest even, saturating) to uint8 codes;
 4. reduce-scatter as ``all_to_all`` of the uint8 payload (padded to a multiple of N): each rank
    decodes the N copies of its chunk, sums them in float32 (exact: see
@@ -175,9 +177,14 @@ class Fp8GradReducer:
         return t.numel() * t.element_size() + (4 if sinv is not None else 0)
 
     # -- FP8 path -------------------------------------------------------------------------------
-    def _local_scale(self, name: str, amax: float) -> float:
+    def _local_scale(self, name: str, amax: float, *, alone: bool = False) -> float:
+        """This rank's scale for ``amax``. An amax of 0 or NaN sets no bound (+inf: the rule's
+        ``fmax / amax`` for 0; a NaN rank is skipped as the simulator's global amax skips it),
+        unless ``alone`` (every rank so: the rule's own value, 1 x mu or 1/sqrt(N))."""
         from fp8sim.scaling import scale_from_amax
 
+        if not alone and not amax > 0:
+            return math.inf
         if self.policy is not None:
             return float(self.policy.scale_for(name, self.fmt, current_amax=amax))
         base = float(scale_from_amax(np.float32(amax), self.fmt, pow2=True))  # MS-AMP: pow2, then 1/sqrt(N)
@@ -193,6 +200,8 @@ class Fp8GradReducer:
         scales = torch.tensor([self._local_scale(nm, a) for nm, a in zip(names, amaxes)], dtype=torch.float32)
         if n > 1:
             dist.all_reduce(scales, op=dist.ReduceOp.MIN, group=self.group)  # the shared scale
+        for i in torch.nonzero(torch.isinf(scales)).reshape(-1).tolist():  # no rank set a bound
+            scales[i] = self._local_scale(names[i], 0.0, alone=True)
         self.counter.add("scales", "all_reduce", scales.numel() * 4)
         codes = []
         for g, s in zip(grads, scales):
