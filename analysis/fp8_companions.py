@@ -120,12 +120,20 @@ class CompanionFinder:
     ``PREFIX.EXT.index.json`` (its ``weight_map``) says which shard holds a name, else every
     shard of the set is searched. Shards not among the analyzed files are opened for the lookup
     (headers only). Files are told apart by real path: a file given twice is searched once.
+
+    A companion that is expected but cannot be looked at is an error, never "no companion": an
+    index entry naming a shard that cannot be read, or that does not hold it (a stale index,
+    the weight's own file included); without an index, a shard of the set that cannot be read
+    or is missing (1..N by its ``-of-N``) -- the companion may be there. A tensor named like a
+    companion (an FP8 scale) is not expected to have one of its own: for it, only the index's
+    entries count.
     """
 
     def __init__(self, files: list[Dump]):
         self._opened: dict[str, Dump | None] = {}
         for d in files:
             self._opened.setdefault(os.path.realpath(d.path), d)
+        self._why: dict[str, str] = {}  # real path -> why it could not be opened
         self._names: dict[int, dict[str, list[Any]]] = {}
         self._indexes: dict[str, Any] = {}
 
@@ -134,8 +142,10 @@ class CompanionFinder:
         if key not in self._opened:
             try:
                 self._opened[key] = open_dump(path)
-            except ValueError:
+            except ValueError as exc:
                 self._opened[key] = None  # a bad shard: it says so when it is given itself
+                why = str(exc)
+                self._why[key] = why[len(path) + 2:] if why.startswith(f"{path}: ") else why
         return self._opened[key]
 
     def _entries(self, dump: Dump, name: str) -> list[Any]:
@@ -159,8 +169,12 @@ class CompanionFinder:
             self._indexes[path] = wmap if ok else None
         return self._indexes[path]
 
-    def _shard_files(self, path: str, names: list[str]) -> list[str]:
-        """The other files of ``path``'s shard set that may hold one of ``names``."""
+    def _shard_files(self, path: str, names: list[str]):
+        """(the other files of ``path``'s shard set that may hold one of ``names``, the index,
+        {name: file} of the index's entries for ``names``, [the first missing shard's path, how
+        many are missing, of how many]): ``([], None, {}, [])`` for a file that is no shard;
+        the index is None and its entries {} where there is none, the missing [] where there is
+        one."""
         for where in (os.path.abspath(path), os.path.realpath(path)):
             d, base = os.path.split(where)
             m = _SHARD.match(base)
@@ -169,35 +183,71 @@ class CompanionFinder:
             index = os.path.join(d, f"{m['prefix']}.{m['ext']}.index.json")
             wmap = self._index(index)
             if wmap is not None:
-                named = sorted({wmap[n] for n in names if n in wmap})
-                for f in named:
+                named = {n: wmap[n] for n in names if n in wmap}
+                for f in sorted(set(named.values())):
                     if os.path.basename(f) != f or not os.path.isfile(os.path.join(d, f)):
                         raise ValueError(f"has its companion in {f!r} by {index}, which is not a "
                                          "file of that directory")  # fmt: skip
-                return [os.path.join(d, f) for f in named if f != base]
+                files = [os.path.join(d, f) for f in sorted(set(named.values())) if f != base]
+                return files, index, named, []
             key = (m["prefix"], m["total"], m["ext"])
             siblings = [(f, _SHARD.match(f)) for f in sorted(os.listdir(d)) if f != base]
-            return [os.path.join(d, f) for f, s in siblings
-                    if s and (s["prefix"], s["total"], s["ext"]) == key]  # fmt: skip
-        return []
+            same = [(f, s) for f, s in siblings if s and (s["prefix"], s["total"], s["ext"]) == key]
+            total = int(m["total"])
+            ks = [int(m["k"])] + [int(s["k"]) for _, s in same]
+            have = sorted({k for k in ks if 1 <= k <= total})
+            missing: list = []
+            if len(have) < total:
+                first = next((i + 1 for i, k in enumerate(have) if k != i + 1), len(have) + 1)
+                shown = f"{m['prefix']}-{first:0{len(m['k'])}d}-of-{m['total']}.{m['ext']}"
+                missing = [os.path.join(d, shown), total - len(have), total]
+            return [os.path.join(d, f) for f, _ in same], None, {}, missing
+        return [], None, {}, []
 
     def find(self, src: TensorSource, dump: Dump):
         """(owner dump, companion source or the (name, reason) its dump skipped it with), or
         None. Raises ValueError ``"<what is wrong>"`` (no file or tensor prefix: the caller says
-        whose) for both spellings at once, or a companion in several files."""
+        whose) for both spellings at once, or a companion in several files, and for one that is
+        expected but cannot be looked at (see the class docstring)."""
         names = [src.name + sfx for sfx in SCALE_SUFFIXES]
         own = [(dump, e) for n in names for e in self._entries(dump, n)]
         if own:
             return self._one(own, names)
         here = os.path.realpath(dump.path)
-        pool, seen = [], set()
-        for p in self._shard_files(dump.path, names):
+        files, index, named, missing = self._shard_files(dump.path, names)
+        pool, seen, unreadable = [], set(), []
+        for p in files:
             d = self._dump(p)
-            if d is not None and id(d) not in seen and os.path.realpath(d.path) != here:
+            if d is None:
+                unreadable.append(p)
+            elif id(d) not in seen and os.path.realpath(d.path) != here:
                 seen.add(id(d))
                 pool.append(d)
         hits = [(d, e) for d in pool for n in names for e in self._entries(d, n)]
-        return self._one(hits, names) if hits else None
+        if hits:
+            return self._one(hits, names)
+        at = {n: os.path.join(os.path.dirname(index), f) for n, f in named.items()} if index else {}
+        for n in sorted(at, key=lambda n: (at[n] not in unreadable, n)):  # the index says where
+            p, f = at[n], named[n]
+            if p in unreadable:
+                why = self._why.get(os.path.realpath(p), "not a dump")
+                raise ValueError(f"has its companion {n} in {p} by {index}, which cannot be read "
+                                 f"({why})")  # fmt: skip
+            raise ValueError(f"has its companion {n} in {f!r} by {index}, which does not hold it "
+                             "(a stale index entry)")  # fmt: skip
+        if src.name.endswith(SCALE_SUFFIXES):  # a scale itself: not expected to have one
+            return None
+        if unreadable:
+            p = unreadable[0]
+            why = self._why.get(os.path.realpath(p), "not a dump")
+            raise ValueError(f"may have its companion in {p}, a shard of its set that cannot be "
+                             f"read ({why})")  # fmt: skip
+        if missing:
+            shown, count, total = missing
+            more = f" ({count} of {total} shards missing)" if count > 1 else ""
+            raise ValueError(f"may have its companion in {shown}, a shard of its set that is not "
+                             f"there{more}")  # fmt: skip
+        return None
 
     @staticmethod
     def _one(hits: list, names: list[str]):

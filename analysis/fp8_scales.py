@@ -30,8 +30,13 @@ experts, must be the scale's leading dimensions too):
 Refused, in one line naming both tensors (the weight's file counts as bad, exit 2): a shape that
 fits none of these (or several declared block shapes), a companion that is not a float tensor
 (float16/bfloat16/float32/float64, an FP8 format or E8M0), both spellings at once, a companion
-found in several files, an index naming a file that is not in its directory. Companion entries a
-dump could not read as tensors are named with their reason.
+found in several files, an index naming a file that is not in its directory; and a companion
+that is expected but cannot be looked at, in one line naming the shard or the index entry: an
+index entry for it naming a shard that cannot be read or does not hold it (a stale index, the
+weight's own file included), or, without an index, a shard of the set that cannot be read or is
+missing (it may be there). "No companion" (the codes analyzed as stored, with a note) is said
+only where none can be: no shard set, or the index names none, or every shard of the set was
+searched. Companion entries a dump could not read as tensors are named with their reason.
 
 Values: ``decode(code) * scale`` computed as torch's ``q.float() * s`` computes it: in float32,
 rounded to nearest even, for float32/bfloat16/float16/FP8/E8M0 scales; in float64 for float64
