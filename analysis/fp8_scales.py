@@ -86,9 +86,10 @@ class ScaledSource(TensorSource):
         codes = self.base.read(start, stop)
         if codes.size == 0:
             return codes.astype(self.scale.dtype)
-        if self.kind == "tensor":
-            return codes * self.scale.reshape(-1)[0]
-        return codes * self._scales(max(0, int(start)), codes.size)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf / NaN products are figures
+            if self.kind == "tensor":  # (overflow, NaN counts), not warnings
+                return codes * self.scale.reshape(-1)[0]
+            return codes * self._scales(max(0, int(start)), codes.size)
 
     def _scales(self, start: int, size: int) -> np.ndarray:
         """The scale of each element ``start .. start + size - 1``. The chunk is a run of row

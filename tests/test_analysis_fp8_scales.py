@@ -426,3 +426,13 @@ def test_a_file_given_twice_is_analyzed_once(tmp_path):
     rc, out, err = analyze(second, second, "--format", "e4m3")
     assert rc == 0 and f"note: {second}: the same file as {second}: analyzed once" in err
     assert out.count("other") == 1
+
+
+def test_a_scale_that_overflows_float32_is_a_figure_not_a_warning(tmp_path):
+    # 448 x 3e37 is beyond float32: inf values (counted), and no RuntimeWarning on stderr
+    q = torch.full((4, 4), 448.0).to(torch.float8_e4m3fn)
+    save_file({"w": q, "w_scale": torch.tensor(3e37)}, str(tmp_path / "m.safetensors"))
+    rc, out, err = analyze(tmp_path / "m.safetensors", "--fp8-scales", "apply", "--json", "-")
+    assert rc == 0 and "Warning" not in err, err
+    (rec,) = [r for r in json.loads(out)["records"] if r["format"] == "e4m3"]
+    assert rec["inf"] == 16
