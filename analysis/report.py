@@ -271,7 +271,7 @@ def parse_fail_on(spec: str, metrics: dict[str, tuple[str, str | None]] = FAIL_M
             val = float(value)
         except ValueError:
             raise ValueError(f"--fail-on rule {part!r}: {value!r} is not a number") from None
-        if metric != "sqnr_db" and (val < 0 or (val == 0 and op == "<")):  # never negative
+        if metric != "sqnr_db" and (val < 0 or (val == 0 and op in ("<", ">="))):  # never < 0
             raise ValueError(f"--fail-on rule {part!r}: {metric} is never negative, so the rule "
                              "would always or never fire")  # fmt: skip
         if pct and val > 100:

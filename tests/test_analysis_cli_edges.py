@@ -273,7 +273,7 @@ def test_an_amax_beyond_float32_is_inf_in_the_table_and_the_rules(tmp_path, caps
     assert r["amax"] is None and r["overflow"] == 1
     rc, out, err = run(capsys, "analyze", p, "--format", "e4m3")
     assert out.splitlines()[2].split()[5] == "inf"
-    for rule, crossed in (("amax>1e30", True), ("amax<1", False), ("amax>=0", True)):
+    for rule, crossed in (("amax>1e30", True), ("amax<1", False), ("amax>=1e38", True)):
         rc, _, err = run(capsys, "analyze", p, "--format", "e4m3", "--fail-on", rule)
         assert rc == (1 if crossed else 0), (rule, err)
 
@@ -382,6 +382,7 @@ def test_hugging_face_torch_bin_checkpoints(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("rule, says", [("overflow<0", "never negative"), ("events>-1", "never negative"),
+                                        ("events>=0", "never negative"), ("overflow>=0", "never negative"),
                                         ("underflow>200%", "at most 100%")])  # fmt: skip
 def test_fail_on_rules_that_cannot_decide_are_refused(rule, says):
     from analysis.report import REPLAY_FAIL_METRICS, parse_fail_on
