@@ -90,14 +90,11 @@ def classify(rec: dict[str, Any], th: Thresholds = Thresholds()) -> str:
 def sqnr_value(rec: dict[str, Any], metric: str = "sqnr_db") -> float | None:
     """A record's ``sqnr_db`` or ``rel_mse`` as a float, its non-finite values restored from
     ``sqnr_case`` (:func:`analysis.stats.sqnr_case`): exact gives +inf dB (rel_mse 0), unbounded
-    -inf dB (rel_mse inf); None when undefined (no finite value). Records without ``sqnr_case``
-    (older JSON) tell only exact (rel_mse 0) from the rest."""
+    -inf dB (rel_mse inf); None when undefined (no finite value)."""
     v = rec.get(metric)
     if v is not None:
         return v
     case = rec.get("sqnr_case")
-    if case is None:
-        case = "exact" if rec.get("rel_mse") == 0 else "undefined"
     if case == "exact":
         return math.inf if metric == "sqnr_db" else 0.0
     if case == "unbounded":

@@ -252,14 +252,6 @@ def sqnr_case(sqnr_db: float) -> str:
     return "finite"
 
 
-def _any_nan_or_inf(nan: np.ndarray, amax_bits: np.ndarray, step: int = 1 << 22) -> bool:
-    """Whether any group holds a NaN or has an inf amax (float32 bits), a slice at a time (no
-    temporary the size of a large grid)."""
-    inf = np.uint32(0x7F800000)
-    return any(nan[i : i + step].any() or (amax_bits[i : i + step] >= inf).any()
-               for i in range(0, nan.size, step))  # fmt: skip
-
-
 def _finite_or_none(v: float) -> float | None:
     return float(v) if v is not None and math.isfinite(v) else None
 
@@ -379,7 +371,7 @@ def tensor_stats(
 
     vint, vflt, shapes = _variant_table(variants, grans, g_tiles, m, n)
     vcounts = np.zeros((len(variants), 5), np.int64)
-    verr = np.zeros((len(variants), 4), np.float64)  # sum (deq - x)^2, kept x^2: (low, high)
+    verr = np.zeros((len(variants), 3), np.float64)  # sum (deq - x)^2 (low, high), kept x^2
     smin = np.full(len(variants), np.inf)
     smax = np.full(len(variants), -np.inf)
 
@@ -442,10 +434,11 @@ def tensor_stats(
         mult = scale_from_amax(gam, v.fmt, margin=v.margin, pow2=v.pow2).reshape(-1)
         return mult, (np.float32(1) / mult).astype(np.float32)
 
-    for k, v in enumerate(variants):  # MX groups with a NaN or inf: their scale is NaN, lost
-        gi = shapes[k][3]
+    for k, v in enumerate(variants):  # MX groups whose scale is NaN (a NaN or inf): lost values
+        gi, step = shapes[k][3], 1 << 22  # the scale rule itself, a slice of the grid at a time
         if gi >= 0 and v.granularity.kind == "mx":
-            vint[k, 10] = int(_any_nan_or_inf(g_nan[gi], g_amax[gi]))
+            vint[k, 10] = any(np.isnan(chunk_scales(v, gi, i, i + step)[1]).any()
+                              for i in range(0, g_amax[gi].size, step))  # fmt: skip
     whole_scales = {}  # variants with one scale for the whole tensor: computed once
     for k, v in enumerate(variants):
         r, _, gc, gi = shapes[k]
@@ -490,7 +483,7 @@ def tensor_stats(
         if lost and not vint[k, 10]:
             raise AssertionError(f"{v.fmt.name} {v.scaling}: values lost to a scale not foreseen")
         # the signal: every finite value's x^2, or (values lost to a NaN MX scale) the kept ones
-        s_m, s_e = _mant_exp(verr[k, 2:] if vint[k, 10] else sig2)
+        s_m, s_e = _mant_exp((verr[k, 2], 0.0) if vint[k, 10] else sig2)
         e_m, e_e = _mant_exp(verr[k, :2])
         e2 = _combine(verr[k, :2])
         if res.nan + res.inf + lost == numel:  # no finite value kept: nothing to compare, not

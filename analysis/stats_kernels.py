@@ -319,7 +319,7 @@ def _pass_b_kernel(x, n_parts, i0, ncols, vint, vflt, scales, sinvs, f32, scan):
     nv = vint.shape[0]
     base, sig2, hist, hsub = _scan_buffers(n_parts)
     counts = np.zeros((n_parts, nv, 5), np.int64)
-    err2 = np.zeros((n_parts, nv, 4), np.float64)
+    err2 = np.zeros((n_parts, nv, 3), np.float64)
     full, thr = _full_variants(f32, vint, vflt, scales, sinvs)
     per = (x.size + n_parts - 1) // n_parts
     for p in numba.prange(n_parts):
@@ -373,7 +373,7 @@ def _whole_tensor_kernel(x, n_parts, ncols, vint, vflt, scaled_max, pow2, f32):
             sinvs[v] = np.float32(1) / scales[v]
     full, thr = _full_variants(f32, vint, vflt, scales, sinvs)
     counts = np.zeros((n_parts, nv, 5), np.int64)
-    err2 = np.zeros((n_parts, nv, 4), np.float64)
+    err2 = np.zeros((n_parts, nv, 3), np.float64)
     for p in numba.prange(n_parts):
         s = min(x.size, p * per)
         e = min(x.size, s + per)
@@ -397,9 +397,9 @@ def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
     (in part order, so the figures depend only on the part count): :func:`_scan_totals` (None
     without ``scan``), counts (V, 5) = overflow, finite values that round to 0 and that round
     below min_normal (both with the zeros: see analysis.stats_blocks._cast_block), lost (NaN MX
-    scale), zeros among the lost; err2 (V, 4) = sum (deq - x)^2 and, for variants with
-    vint[v, 10] (else 0), sum x^2 over the finite values not lost, as (low, high) pairs (see
-    stats._combine).
+    scale), zeros among the lost; err2 (V, 3) = sum (deq - x)^2 as a (low, high) pair (see
+    stats._combine) and, for variants with vint[v, 10] (else 0), sum x^2 over the finite values
+    not lost (no "high" part: :func:`_kept_squares`).
     """
     totals, counts, err2 = _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs,
                                 x.dtype == np.float32, scan)  # fmt: skip

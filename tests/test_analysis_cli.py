@@ -285,8 +285,8 @@ def test_fail_on_applies_only_to_rows_with_the_field(tmp_path, capsys):
     rc, out, err = run(capsys, "analyze", str(tr), "--fail-on", "sqnr_db>1000,rel_mse>0")
     assert rc == 0, err  # trace rows have neither field
     rule = parse_fail_on("sqnr_db>1000")[0]
-    assert rule.crossed({"sqnr_db": None, "rel_mse": 0.0})  # exact: +inf dB
-    assert not rule.crossed({"sqnr_db": None, "rel_mse": None})  # undefined
+    assert rule.crossed({"sqnr_db": None, "rel_mse": 0.0, "sqnr_case": "exact"})  # +inf dB
+    assert not rule.crossed({"sqnr_db": None, "rel_mse": None, "sqnr_case": "undefined"})
 
 
 def _expected_crossings(doc, crosses):

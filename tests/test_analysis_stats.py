@@ -176,8 +176,10 @@ def test_table_never_shows_exact_for_an_undefined_sqnr():
     base = {"status": "ok", "name": "t", "format": "e4m3", "scaling": "none", "numel": 4,
             "amax": 1.0, "scale": 1.0, "overflow": 0, "overflow_pct": 0.0, "underflow": 0,
             "underflow_pct": 0.0, "subnormal": 0, "subnormal_pct": 0.0}  # fmt: skip
-    undefined = format_table([{**base, "sqnr_db": None, "rel_mse": None}]).splitlines()[-1]
-    exact = format_table([{**base, "sqnr_db": None, "rel_mse": 0.0}]).splitlines()[-1]
+    undefined = format_table([{**base, "sqnr_db": None, "rel_mse": None,
+                                "sqnr_case": "undefined"}]).splitlines()[-1]  # fmt: skip
+    exact = format_table([{**base, "sqnr_db": None, "rel_mse": 0.0,
+                           "sqnr_case": "exact"}]).splitlines()[-1]  # fmt: skip
     assert not undefined.endswith("exact") and exact.endswith("exact")
 
 
