@@ -28,6 +28,7 @@ Semantics (the contract in DESIGN.md):
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -80,8 +81,8 @@ def _decode_code(fmt: FloatFormat, code: int) -> float:
     mag_mask = (1 << fmt.magnitude_bits) - 1
     neg = fmt.signed and (code >> fmt.magnitude_bits) & 1
     mag = code & mag_mask
-    if fmt.is_nan_code(code):
-        return float("nan")
+    if fmt.is_nan_code(code):  # the code's sign, as torch and ml_dtypes; FNUZ's one NaN: +NaN
+        return -math.nan if neg and fmt.nan != "fnuz" else math.nan
     if fmt.has_inf and mag == fmt.inf_code:
         return float("-inf") if neg else float("inf")
     biased = mag >> fmt.mantissa_bits
@@ -362,7 +363,9 @@ def decode(codes: Any, fmt: FloatFormat | str, *, dtype: Any = np.float32) -> An
     """Exact values of ``codes`` as ``dtype`` (float32 default; float64 also exact).
 
     ``codes`` must be an unsigned integer array (uint8/uint16, or int8/int16 bit views) whose
-    values lie below ``2**fmt.bits``. torch in -> torch out.
+    values lie below ``2**fmt.bits``. torch in -> torch out. A NaN code decodes to a quiet NaN
+    with the code's sign bit (as torch and ml_dtypes do); FNUZ's one NaN (0x80) to +NaN (as
+    torch; ml_dtypes gives -NaN).
     """
     fmt = get_format(fmt)
     from_torch = _is_torch(codes)

@@ -76,6 +76,24 @@ def test_nan_encodings():
     assert enc(-2.0, "e8m0") == 0xFF  # unsigned: no negative numbers
 
 
+@pytest.mark.parametrize("name, ref", [("e4m3", ml_dtypes.float8_e4m3fn), ("e5m2", ml_dtypes.float8_e5m2),
+                                       ("e3m4", ml_dtypes.float8_e3m4), ("e4m3fnuz", torch.float8_e4m3fnuz),
+                                       ("e5m2fnuz", torch.float8_e5m2fnuz)])
+def test_nan_codes_decode_with_the_codes_sign(name, ref):
+    # ml_dtypes and torch give a NaN code's sign bit to the NaN (0xFF in E4M3 is -NaN); FNUZ's one
+    # NaN 0x80 is +NaN in torch (ml_dtypes: -NaN) -- we follow torch there
+    codes = np.arange(256, dtype=np.uint8)
+    if isinstance(ref, torch.dtype):
+        want = torch.from_numpy(codes).view(ref).float().numpy()
+    else:
+        want = codes.view(ref).astype(np.float32)
+    got = fp8sim.decode(codes, name)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(np.signbit(got[nan]), np.signbit(want[nan]))
+    assert np.array_equal(np.signbit(fp8sim.decode(codes, name, dtype=np.float64)[nan]), np.signbit(want[nan]))
+
+
 def test_e8m0_rounding_and_range():
     assert enc(1.0, "e8m0") == 127 and enc(2.0**-127, "e8m0") == 0
     assert enc(1.5, "e8m0") == 128  # ties up (all E8M0 significands are 1), as ml_dtypes
