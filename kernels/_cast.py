@@ -51,6 +51,9 @@ __all__ = [
     "check_sentinels",
     "is_interpreter",
     "bf16_bits",
+    "widen_f32",
+    "scale_f32",
+    "narrow_keep_nan_sign",
 ]
 
 ERR_NAN_CODE = 255
@@ -257,7 +260,8 @@ def encode_f32(y, r, M: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr
 def decode_f32(code, M: tl.constexpr, BIAS: tl.constexpr, MAG_BITS: tl.constexpr,
                SIGNED: tl.constexpr, HAS_SUB: tl.constexpr, NAN_KIND: tl.constexpr,
                NAN_CODE: tl.constexpr, INF_CODE: tl.constexpr, SUB_SCALE: tl.constexpr):
-    """Exact float32 values of an int32 block of codes (NaN codes -> NaN, inf codes -> inf)."""
+    """Exact float32 values of an int32 block of codes: NaN codes -> quiet NaN with the code's
+    sign (FNUZ's one NaN -> +NaN), inf codes -> inf, as ``fp8sim.decode``."""
     mag = code & ((1 << MAG_BITS) - 1)
     big = mag >> M  # biased exponent field
     mant = mag & ((1 << M) - 1)
@@ -279,8 +283,11 @@ def decode_f32(code, M: tl.constexpr, BIAS: tl.constexpr, MAG_BITS: tl.constexpr
         val = tl.where(mag == ((1 << MAG_BITS) - 1), nan, val)
     elif NAN_KIND == 2:
         val = tl.where(code == NAN_CODE, nan, val)
-    if SIGNED:
-        val = tl.where(((code >> MAG_BITS) & 1) != 0, -val, val)
+    if SIGNED:  # the sign bit set with integers: -val is 0 - val on the GPU (-0 -> +0, NaN unsigned)
+        sign = ((code >> MAG_BITS) & 1).to(tl.uint32) << 31
+        if NAN_KIND == 2:
+            sign = tl.where(code == NAN_CODE, 0, sign)  # FNUZ's one NaN (the -0 pattern) is +NaN
+        val = (val.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return val
 
 
@@ -295,3 +302,46 @@ def bf16_bits(v):
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
     r = tl.where(v != v, (b >> 16) | 0x40, r)  # NaN: keep the sign, force a quiet NaN
     return r.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def widen_f32(v):
+    """float32 of a float16 / bfloat16 / float32 / float64 block, a NaN keeping its sign bit.
+
+    Exact for float16 and bfloat16, round to nearest even for float64. The sign of a NaN is set
+    from the input's bits, so it does not depend on how the GPU's conversion treats NaN.
+    """
+    x = v.to(tl.float32)
+    if v.dtype.primitive_bitwidth != 32:  # compile-time branches
+        if v.dtype.primitive_bitwidth == 16:
+            neg = v.to(tl.int16, bitcast=True) < 0
+        else:
+            neg = v.to(tl.int64, bitcast=True) < 0
+        nan = ((neg.to(tl.uint32) << 31) | 0x7FC00000).to(tl.float32, bitcast=True)
+        x = tl.where(x != x, nan, x)
+    return x
+
+
+@triton.jit
+def scale_f32(x, s):
+    """The float32 product ``x * s`` (rounded once), with the NaN the emulator's numpy gives.
+
+    IEEE 754 leaves the sign of a NaN result open. x86 (numpy, hence the emulator) returns the
+    first NaN operand: a NaN ``x`` itself, else a NaN ``s``. The GPU's multiply returns the
+    canonical NaN 0x7FFFFFFF, which would turn -NaN into +NaN; this keeps x86's answer.
+    """
+    y = x * s
+    y = tl.where(s != s, s, y)
+    return tl.where(x != x, x, y)
+
+
+@triton.jit
+def narrow_keep_nan_sign(v, dtype: tl.constexpr):
+    """A float32 block converted to ``dtype`` (float32 or float16, round to nearest even), a NaN
+    keeping its sign (the GPU's conversion returns a canonical positive NaN)."""
+    out = v.to(dtype)
+    if dtype == tl.float16:
+        neg = (v.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
+        nan = ((neg << 15) | 0x7E00).to(tl.int16).to(tl.float16, bitcast=True)
+        out = tl.where(v != v, nan, out)
+    return out

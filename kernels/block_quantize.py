@@ -28,7 +28,8 @@ import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import parse_granularity, view2d
-from kernels._cast import cast_args, check_sentinels, code_dtype, encode_f32, is_interpreter
+from kernels._cast import (cast_args, check_sentinels, code_dtype, encode_f32, is_interpreter, scale_f32,
+                           widen_f32)
 
 __all__ = ["block_quantize"]
 
@@ -103,7 +104,7 @@ def _block_quantize_kernel(
     col_end = tl.minimum(n_cols, (pid_c + 1) * TILE_C)
     mask = (rows[:, None] < row_end) & (cols[None, :] < col_end)
     x = tl.load(x_ptr + rows[:, None] * sx_r + cols[None, :] * sx_c, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x = widen_f32(x)
 
     # -- amax per tile (a vector over the block's rows; one value repeated for tall tiles) ----
     is_nan = (x != x) & mask
@@ -147,7 +148,7 @@ def _block_quantize_kernel(
             s = _pow2(_floor_log2(s))
         s = tl.where(keep, 1.0, s)
         scale_inv = tl.div_rn(tl.zeros_like(s) + 1.0, s)
-        y = x * s[:, None]
+        y = scale_f32(x, s[:, None])
         e = nans * 0
 
     cnt = rows[:, None] * cnt_r + cols[None, :] * cnt_c

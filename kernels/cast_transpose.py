@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from kernels._cast import cast_args, check_sentinels, code_dtype, encode_f32
+from kernels._cast import cast_args, check_sentinels, code_dtype, encode_f32, scale_f32, widen_f32
 
 __all__ = ["cast_transpose"]
 
@@ -43,14 +43,14 @@ def _cast_transpose_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x = widen_f32(x)
     if SCALE_MODE == 0:
         s = tl.load(scale_ptr)
     elif SCALE_MODE == 1:
         s = tl.load(scale_ptr + rows, mask=rows < n_rows, other=1.0)[:, None]
     else:
         s = tl.load(scale_ptr + cols, mask=cols < n_cols, other=1.0)[None, :]
-    y = x * s
+    y = scale_f32(x, s)
     offs = rows[:, None] * n_cols + cols[None, :]  # flat index in x: the stochastic counter
     if MODE == 6:
         r = tl.randint(seed, offs)

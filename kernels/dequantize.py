@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from kernels._cast import bf16_bits, decode_args, decode_f32, is_interpreter
+from kernels._cast import (bf16_bits, decode_args, decode_f32, is_interpreter, narrow_keep_nan_sign,
+                           scale_f32)
 
 __all__ = ["dequantize"]
 
@@ -47,11 +48,11 @@ def _dequantize_kernel(
         s = tl.load(scale_inv_ptr + row, mask=mask, other=1.0)
     else:
         s = tl.load(scale_inv_ptr + col, mask=mask, other=1.0)
-    out = val * s
+    out = scale_f32(val, s)
     if OUT_BF16:
         tl.store(out_ptr + offs, bf16_bits(out), mask=mask)
     else:
-        tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offs, narrow_keep_nan_sign(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize(

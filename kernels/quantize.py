@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from kernels._cast import cast_args, check_sentinels, code_dtype, encode_f32, is_interpreter
+from kernels._cast import (cast_args, check_sentinels, code_dtype, encode_f32, is_interpreter, scale_f32,
+                           widen_f32)
 
 __all__ = ["quantize", "native_supported"]
 
@@ -54,16 +55,16 @@ def _quantize_kernel(
     row = offs // n_cols
     col = offs % n_cols
     if CONTIGUOUS:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = widen_f32(tl.load(x_ptr + offs, mask=mask, other=0.0))
     else:
-        x = tl.load(x_ptr + row * stride_r + col * stride_c, mask=mask, other=0.0).to(tl.float32)
+        x = widen_f32(tl.load(x_ptr + row * stride_r + col * stride_c, mask=mask, other=0.0))
     if SCALE_MODE == 0:
         s = tl.load(scale_ptr)
     elif SCALE_MODE == 1:
         s = tl.load(scale_ptr + row, mask=mask, other=1.0)
     else:
         s = tl.load(scale_ptr + col, mask=mask, other=1.0)
-    y = x * s  # float32 product, rounded once
+    y = scale_f32(x, s)  # float32 product, rounded once
 
     if NATIVE == 0:
         if MODE == 6:
@@ -126,6 +127,7 @@ def quantize(
 
     ``scale``: float32 tensor on x's device, 0-d, or (M, 1) / (1, N) for 2-D x. ``native``: use
     the hardware cast where :func:`native_supported` says it is the same cast (else ignored).
+    ``block``: elements per program (a power of two; default by device).
     Raises ValueError as the emulator does for NaN/overflow into formats without NaN.
     """
     fmt = get_format(fmt)
