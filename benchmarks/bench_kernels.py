@@ -7,7 +7,9 @@ Rows:
   as achieved bandwidth (bytes read + written per second) and as a share of a device-to-device
   copy of the same input (bytes read + written; the bandwidth limit). Target: >= 85% native.
 * scaled GEMM at M = N = K in ``--sizes``: TFLOP/s of the Triton kernel (native fp8 dot) against
-  ``torch._scaled_mm`` (cuBLASLt) and a bfloat16 ``torch.matmul``. Target: >= 0.9x _scaled_mm.
+  ``torch._scaled_mm`` (cuBLASLt) with the same accumulation (float32 adds of K slices; and
+  ``fast_accum`` against ``use_fast_accum=True``), and a bfloat16 ``torch.matmul``.
+  Target: >= 0.9x _scaled_mm.
 Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs).
 
 Without a CUDA GPU (or with TRITON_INTERPRET=1) there is nothing to measure: the script says so
@@ -72,24 +74,35 @@ def bench_gemm(size: int) -> list[dict]:
     one = torch.tensor(1.0, device="cuda")
     flops = 2.0 * m * n * k
     rows = []
-    fns = {
-        "triton scaled_mm (fp8 dot)": lambda: scaled_mm(a.view(torch.uint8), "e4m3", one,
-                                                        b.view(torch.uint8).t(), "e4m3", one,
-                                                        out_dtype=torch.bfloat16),
-        "torch._scaled_mm": lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
-                                                     out_dtype=torch.bfloat16),
-        "bf16 matmul": (lambda ab=a.to(torch.bfloat16), bb=b.to(torch.bfloat16).t(): ab @ bb),
-    }
-    for name, fn in fns.items():
+
+    def triton_mm(fast):
+        return lambda: scaled_mm(a.view(torch.uint8), "e4m3", one, b.view(torch.uint8).t(), "e4m3",
+                                 one, out_dtype=torch.bfloat16, fast_accum=fast)
+
+    def torch_mm(fast):
+        return lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+
+    # (name, function, the row it is compared with): precise with precise, fast with fast
+    fns = [
+        ("triton scaled_mm", triton_mm(False), "torch._scaled_mm"),
+        ("torch._scaled_mm", torch_mm(False), "torch._scaled_mm"),
+        ("triton scaled_mm fast_accum", triton_mm(True), "torch._scaled_mm fast_accum"),
+        ("torch._scaled_mm fast_accum", torch_mm(True), "torch._scaled_mm fast_accum"),
+        ("bf16 matmul", (lambda ab=a.to(torch.bfloat16), bb=b.to(torch.bfloat16).t(): ab @ bb),
+         "torch._scaled_mm"),
+    ]
+    times = {}
+    for name, fn, _ in fns:
         try:
             t = do_bench(fn, return_mode="median")
+            times[name] = t
             rows.append({"op": f"{name} {size}^3", "ms": t, "TFLOP/s": flops / (t * 1e-3) / 1e12})
         except Exception as exc:  # report what failed, keep measuring the rest
             rows.append({"op": f"{name} {size}^3", "error": f"{type(exc).__name__}: {exc}"[:200]})
-    ref = next((r for r in rows if r["op"].startswith("torch._scaled_mm") and "ms" in r), None)
-    for r in rows:
-        if ref and "ms" in r:
-            r["vs_scaled_mm"] = ref["ms"] / r["ms"]
+    for (name, _, ref), r in zip(fns, rows[-len(fns):]):
+        if "ms" in r and ref in times:
+            r["vs_scaled_mm"] = times[ref] / r["ms"]
     return rows
 
 

@@ -76,12 +76,12 @@ def _variants() -> dict:
     mm_types = {"a_ptr": "*u8", "b_ptr": "*u8", "c_ptr": "*fp32", "sa_ptr": "*fp32",
                 "sb_ptr": "*fp32", "n_m": "i32", "n_n": "i32", "n_k": "i32", "stride_am": "i32",
                 "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"}
-    for name, fa, fb, dot, bk in [("scaled_mm_e4m3_native", "e4m3", "e4m3", 2, 64),
-                                  ("scaled_mm_e4m3_e5m2_native", "e4m3", "e5m2", 2, 64),
+    for name, fa, fb, dot, bk in [("scaled_mm_e4m3_native", "e4m3", "e4m3", 2, 128),
+                                  ("scaled_mm_e4m3_e5m2_native", "e4m3", "e5m2", 2, 128),
                                   ("scaled_mm_e3m4_fp16", "e3m4", "e4m3fnuz", 1, 32)]:
         native = {"e4m3": 1, "e5m2": 2}
         out[name] = (scaled_mm._scaled_mm_kernel, mm_types,
-                     dict(SA_ROW=1, SB_COL=1, DOT=dot, OUT_BF16=0, BLOCK_M=128, BLOCK_N=128,
+                     dict(SA_ROW=1, SB_COL=1, DOT=dot, OUT_BF16=0, FAST_ACCUM=0, BLOCK_M=128, BLOCK_N=128,
                           BLOCK_K=bk, GROUP_M=8, A_NATIVE=native.get(fa, 0),
                           **decode_args(fa, "A_"), B_NATIVE=native.get(fb, 0),
                           **decode_args(fb, "B_")),
@@ -132,6 +132,7 @@ def ptx_facts(ptx: str) -> dict:
         "wgmma_e4m3": r"\bwgmma\.mma_async\S*\.e4m3\b",
         "wgmma_e5m2": r"\bwgmma\.mma_async\S*\.e5m2\b",
         "wgmma_f16": r"\bwgmma\.mma_async\S*\.f16\.f16\b",
+        "add_f32": r"\badd(\.rn)?\.f32\b",
     }
     return {k: len(re.findall(p, ptx)) for k, p in pats.items()}
 

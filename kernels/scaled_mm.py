@@ -4,8 +4,12 @@ a (M, K) and b (K, N) are code tensors (any strides); scales are per tensor, per
 (M, 1) or per column of b (1, N). The operands reach ``tl.dot`` three ways (``DOT``):
 
 * ``2`` native: e4m3/e5m2 codes bitcast to ``tl.float8e4nv`` / ``tl.float8e5`` (GPU tensor cores,
-  sm_89+). Hopper's FP8 MMA adds products with fewer than float32's bits before they reach the
-  float32 accumulator, so the result is within a looser bound than ``K * 2**-24``.
+  sm_89+). Hopper's FP8 MMA adds products with fewer than float32's bits (about 14, DeepSeek-V3
+  section 3.3.2); Triton's default on sm_90 lets it accumulate the whole K that way
+  (``max_num_imprecise_acc = 2**30``), measured on an H200 at up to ~1.2e-3 of sum |a||b| for
+  K = 4096. The kernel instead adds each ``BLOCK_K`` slice's MMA result into the float32
+  accumulator (``max_num_imprecise_acc = BLOCK_K``, as cuBLAS without fast accumulation and
+  DeepSeek-V3's 128-element promotion do), so the error stays within ``2**-12`` of sum |a||b|.
 * ``1`` float16: the software decode, then float16 operands (exact: every value of an 8-bit
   format is a float16) on tensor cores -- the GPU path of the other formats.
 * ``0`` float32: the software decode, float32 operands, ``input_precision="ieee"`` -- the
@@ -40,6 +44,7 @@ def _scaled_mm_kernel(
     SB_COL: tl.constexpr,  # 1: b_scale_inv per column
     DOT: tl.constexpr,  # 0 float32 decode, 1 float16 decode, 2 native fp8
     OUT_BF16: tl.constexpr,  # 1: c_ptr is an int16 view of bfloat16 output
+    FAST_ACCUM: tl.constexpr,  # 1: native dot accumulates with the MMA's narrow adds (DOT == 2)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # tile sizes
     GROUP_M: tl.constexpr,  # rows of tiles walked together (L2 reuse)
     A_NATIVE: tl.constexpr, A_M: tl.constexpr, A_BIAS: tl.constexpr, A_MAG_BITS: tl.constexpr,
@@ -79,7 +84,10 @@ def _scaled_mm_kernel(
                 b_op = b.to(tl.float8e4nv, bitcast=True)
             else:
                 b_op = b.to(tl.float8e5, bitcast=True)
-            acc = tl.dot(a_op, b_op, acc)
+            if FAST_ACCUM:  # the MMA's own narrow adds over all of K (Triton's sm_90 default)
+                acc = tl.dot(a_op, b_op, acc)
+            else:  # each BLOCK_K slice added into the float32 accumulator
+                acc = tl.dot(a_op, b_op, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             a_val = decode_f32(a.to(tl.int32), A_M, A_BIAS, A_MAG_BITS, A_SIGNED, A_HAS_SUB,
                                A_NAN_KIND, A_NAN_CODE, A_INF_CODE, A_SUB_SCALE)
@@ -128,12 +136,18 @@ def scaled_mm(
     *,
     out_dtype: torch.dtype = torch.float32,
     native: bool = True,
+    fast_accum: bool = False,
     blocks: tuple[int, int, int] | None = None,
+    num_warps: int = 8,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """``(decode(a) @ decode(b)) * a_scale_inv * b_scale_inv`` for uint8 codes a (M, K), b (K, N).
 
     ``a_scale_inv``: float32, 0-d or (M, 1); ``b_scale_inv``: 0-d or (1, N). ``native``: use
-    fp8 tensor cores for e4m3/e5m2 operands on a GPU that has them.
+    fp8 tensor cores for e4m3/e5m2 operands on a GPU that has them. ``fast_accum`` (native
+    only, like ``torch._scaled_mm(use_fast_accum=True)``): let the fp8 MMA accumulate all of K
+    with its narrow internal adds instead of adding each ``BLOCK_K`` slice in float32.
+    ``blocks`` (BLOCK_M, BLOCK_N, BLOCK_K), ``num_warps``, ``num_stages``: the GPU tiling.
     """
     a_fmt, b_fmt = get_format(a_fmt), get_format(b_fmt)
     for f in (a_fmt, b_fmt):
@@ -146,7 +160,7 @@ def scaled_mm(
     dev = a.device
     dot = dot_path(a_fmt, b_fmt, dev, native)
     if blocks is None:
-        blocks = (32, 32, 64) if is_interpreter() else (128, 128, 64 if dot == 2 else 32)
+        blocks = (32, 32, 64) if is_interpreter() else ((256, 128, 128) if dot == 2 else (128, 128, 32))
     bm, bn, bk = blocks
     sa = a_scale_inv.to(device=dev, dtype=torch.float32).contiguous()
     sb = b_scale_inv.to(device=dev, dtype=torch.float32).contiguous()
@@ -156,13 +170,13 @@ def scaled_mm(
     if n_k == 0:
         return out.zero_()
     grid = (triton.cdiv(n_m, bm) * triton.cdiv(n_n, bn),)
-    extra = {} if is_interpreter() else {"num_warps": 8, "num_stages": 3}
+    extra = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": num_stages}
     _scaled_mm_kernel[grid](
         a.view(torch.uint8), b.view(torch.uint8),
         out.view(torch.int16) if out_dtype == torch.bfloat16 else out, sa, sb, n_m, n_n, n_k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         SA_ROW=int(sa.dim() == 2), SB_COL=int(sb.dim() == 2), DOT=dot,
-        OUT_BF16=int(out_dtype == torch.bfloat16),
+        OUT_BF16=int(out_dtype == torch.bfloat16), FAST_ACCUM=int(bool(fast_accum)),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
         A_NATIVE=_NATIVE.get(a_fmt.name, 0), **decode_args(a_fmt, "A_"),
         B_NATIVE=_NATIVE.get(b_fmt.name, 0), **decode_args(b_fmt, "B_"),

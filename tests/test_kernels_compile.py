@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("triton.backends.nvidia")
 
 VARIANTS = ["quantize_e4m3_native", "quantize_e5m2_stochastic", "block_quantize_128x128",
-            "adam_e4m3_stochastic"]
+            "adam_e4m3_stochastic", "scaled_mm_e4m3_native"]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,15 @@ def test_adam_is_ieee_without_contraction(facts):
 def test_native_cast_is_rne_saturating(facts):
     assert facts["quantize_e4m3_native"]["cvt_e4m3"] > 0
     assert facts["quantize_e5m2_stochastic"]["cvt_e5m2"] == 0  # software cast: no hardware cvt
+
+
+def test_native_gemm_adds_each_k_slice_in_float32(facts):
+    # Triton's sm_90 default lets the fp8 MMA accumulate all of K with its ~14-bit adds; the
+    # kernel asks for a float32 add of each BLOCK_K slice (max_num_imprecise_acc=BLOCK_K):
+    # one add.f32 per accumulator element and slice, 128x128 / 256 threads = 64 per thread
+    f = facts["scaled_mm_e4m3_native"]
+    assert f["wgmma_e4m3"] > 0
+    assert f["add_f32"] >= 64
 
 
 def test_block_scale_division_is_ieee(facts):
