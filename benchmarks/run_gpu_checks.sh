@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole GPU session in one script: correctness first, then speed. Logs go to $OUT (or ./out).
+#   bash benchmarks/run_gpu_checks.sh
+# gpu_check.py (kernels vs the emulator, 2**log2n values per format), the GPU pytest file with
+# the interpreter off, then bench_kernels.py. Each step has its own time limit; a failure in one
+# does not stop the next.
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/fp8sim-numba}
+PY=${PYTHON:-python3}
+{ nvidia-smi -L; $PY -c "import sys,torch,triton,numba,numpy; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)"; } 2>&1 | tee "$OUT/env.txt"
+t0=$SECONDS
+timeout "${GPU_CHECK_S:-200}" $PY benchmarks/gpu_check.py --log2n "${LOG2N:-24}" --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+echo "gpu_check: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"; t0=$SECONDS
+timeout "${PYTEST_S:-150}" $PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+echo "pytest: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"; t0=$SECONDS
+timeout "${BENCH_S:-100}" $PY benchmarks/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.txt"
+echo "bench_kernels: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"
