@@ -26,8 +26,8 @@ COMMAND_MODULES = [
     "fp8sim.commands.conformance",  # conformance
     "fp8sim.commands.policies",  # policies
     "fp8sim.training.commands",  # train, compare
-    "analysis.commands",  # analyze, replay
-    "analysis.demo",  # demo
+    "fp8sim.analysis.commands",  # analyze, replay
+    "fp8sim.analysis.demo",  # demo
 ]
 
 

@@ -180,7 +180,7 @@ def _plot_dir(d: str | None):
     """The run's :class:`analysis.plots.PlotDir` (None without --plot)."""
     if d is None:
         return None
-    from analysis.plots import PlotDir
+    from fp8sim.analysis.plots import PlotDir
 
     return PlotDir(d)
 
@@ -212,7 +212,7 @@ def _per_step(tensor: np.ndarray, step: np.ndarray, *cols: np.ndarray):
 def _trace_rows(dump, th) -> tuple[list[dict], dict]:
     """Per-tensor rows of a trace's recorded statistics (all steps), and heatmap data. Several
     records of a tensor in one step (micro-batches) count as one step: their counts add up."""
-    from analysis.report import classify
+    from fp8sim.analysis.report import classify
 
     reader = dump.trace
     sc = reader.scalars()
@@ -268,8 +268,8 @@ def _trace_rows(dump, th) -> tuple[list[dict], dict]:
 
 
 def _histogram_plot(plot_dir, index: int, st, file: str) -> None:
-    from analysis.plots import plot_log2_histogram, safe_name
-    from analysis.stats import LOG2_EXPONENTS
+    from fp8sim.analysis.plots import plot_log2_histogram, safe_name
+    from fp8sim.analysis.stats import LOG2_EXPONENTS
     from fp8sim.formats import get_format
 
     windows = []
@@ -284,9 +284,9 @@ def _histogram_plot(plot_dir, index: int, st, file: str) -> None:
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    from analysis.dumps import FLOAT_DTYPES, expand_paths, open_dump
-    from analysis.inputs import each_file_once
-    from analysis.report import (
+    from fp8sim.analysis.dumps import FLOAT_DTYPES, expand_paths, open_dump
+    from fp8sim.analysis.inputs import each_file_once
+    from fp8sim.analysis.report import (
         Thresholds,
         escape_cell,
         classify,
@@ -295,8 +295,8 @@ def run_analyze(args: argparse.Namespace) -> int:
         parse_fail_on,
         sort_worst_first,
     )
-    from analysis.fp8_scales import parse_block, link_fp8_scales
-    from analysis.stats import parse_variants, tensor_stats
+    from fp8sim.analysis.fp8_scales import parse_block, link_fp8_scales
+    from fp8sim.analysis.stats import parse_variants, tensor_stats
 
     from fp8sim.scaling import check_margin
 
@@ -365,7 +365,7 @@ def run_analyze(args: argparse.Namespace) -> int:
             if dump.trace is not None and rows is not None:
                 traces.append({"path": dump.path, "config": dump.trace.config, "tensors": rows})
                 if plot_dir and heat["steps"].size:
-                    from analysis.plots import plot_heatmap, safe_name
+                    from fp8sim.analysis.plots import plot_heatmap, safe_name
 
                     base = safe_name(os.path.basename(os.path.normpath(dump.path)), plot_index)
                     plot_index += 1
@@ -452,14 +452,14 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 def sort_worst_first_trace(rows: list[dict]) -> list[dict]:
-    from analysis.report import STATUS_ORDER
+    from fp8sim.analysis.report import STATUS_ORDER
 
     return sorted(rows, key=lambda r: (STATUS_ORDER[r["status"]], -r["overflow_pct"],
                                        -r["worst_underflow_pct"], r["name"]))  # fmt: skip
 
 
 def _trace_table(rows: list[dict]) -> str:
-    from analysis.report import _table
+    from fp8sim.analysis.report import _table
 
     body = [
         [r["status"], r["name"], r["role"], r["format"], str(r["steps"]),
@@ -509,8 +509,8 @@ def _replay_failures(replays: list, rules: list) -> list[tuple]:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from analysis.report import REPLAY_FAIL_METRICS, format_replay_table, parse_fail_on
-    from analysis.replay import replay_policies, summary_rows
+    from fp8sim.analysis.report import REPLAY_FAIL_METRICS, format_replay_table, parse_fail_on
+    from fp8sim.analysis.replay import replay_policies, summary_rows
     from fp8sim.trace import TraceReader, is_trace
 
     rules = parse_fail_on(args.fail_on, REPLAY_FAIL_METRICS) if args.fail_on is not None else []
@@ -575,7 +575,7 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.json != "-":
         print(format_replay_table(summaries))
     if plot_dir:
-        from analysis.plots import plot_heatmap, plot_policy_summary, safe_name
+        from fp8sim.analysis.plots import plot_heatmap, plot_policy_summary, safe_name
 
         plot_policy_summary(plot_dir.path("policies.png"), summaries)
         for i, rp in enumerate(replays):

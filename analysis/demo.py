@@ -81,10 +81,10 @@ def run_demo(
     """Run the demo into ``out``; returns the measured figures (also in ``summary.json``)."""
     import torch
 
-    from analysis import commands as analysis_commands
-    from analysis.plots import plot_heatmap, plot_policy_summary
-    from analysis.replay import replay_policies, summary_rows
-    from analysis.report import format_replay_table
+    from fp8sim.analysis import commands as analysis_commands
+    from fp8sim.analysis.plots import plot_heatmap, plot_policy_summary
+    from fp8sim.analysis.replay import replay_policies, summary_rows
+    from fp8sim.analysis.report import format_replay_table
     from fp8sim.training import record
     from fp8sim.training.compare import compare_runs, plot_loss_curves
     from fp8sim.training.data import load_corpus

@@ -45,8 +45,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from analysis.dumps_strided import fortran_strides, mmap_strided_reader, spilled_strided_reader
-from analysis.inputs import require_regular_file
+from fp8sim.analysis.dumps_strided import fortran_strides, mmap_strided_reader, spilled_strided_reader
+from fp8sim.analysis.inputs import require_regular_file
 from fp8sim.trace import TraceReader, is_trace
 
 __all__ = [
@@ -223,7 +223,7 @@ def _pread_reader(path: str, offset: int, raw_dtype: Any, itemsize: int):
 # safetensors
 # ------------------------------------------------------------------------------------------
 def _open_safetensors(path: str) -> Dump:
-    from analysis.dumps_safetensors import open_safetensors  # header checks: see that module
+    from fp8sim.analysis.dumps_safetensors import open_safetensors  # header checks: see that module
 
     return open_safetensors(path)
 
@@ -476,7 +476,7 @@ def _open_trace(path: str) -> Dump:
 # entry points
 # ------------------------------------------------------------------------------------------
 def _open_pt(path: str) -> Dump:
-    from analysis.dumps_torch import open_pt  # torch is imported only for .pt files
+    from fp8sim.analysis.dumps_torch import open_pt  # torch is imported only for .pt files
 
     return open_pt(path)
 

@@ -20,7 +20,7 @@ import os
 import struct
 from typing import Any
 
-from analysis.dumps import _ITEMSIZE, _RAW, _ST_DTYPES, Dump, TensorSource, _checked_numel, _pread_reader
+from fp8sim.analysis.dumps import _ITEMSIZE, _RAW, _ST_DTYPES, Dump, TensorSource, _checked_numel, _pread_reader
 
 __all__ = ["open_safetensors", "MAX_HEADER_BYTES"]
 

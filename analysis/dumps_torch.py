@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis.dumps import (
+from fp8sim.analysis.dumps import (
     _RAW,
     FLOAT_DTYPES,
     FP8_DTYPES,
@@ -40,7 +40,7 @@ from analysis.dumps import (
     _pread_reader,
     _unique_names,
 )
-from analysis.dumps_strided import copy_c_range, drop_pages, mmap_strided_reader, readahead
+from fp8sim.analysis.dumps_strided import copy_c_range, drop_pages, mmap_strided_reader, readahead
 
 __all__ = ["open_pt"]
 

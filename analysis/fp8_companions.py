@@ -14,7 +14,7 @@ import re
 import stat
 from typing import Any
 
-from analysis.dumps import Dump, TensorSource, open_dump
+from fp8sim.analysis.dumps import Dump, TensorSource, open_dump
 
 __all__ = ["SCALE_SUFFIXES", "MAX_JSON_BYTES", "CompanionFinder", "config_blocks", "parse_block"]
 

@@ -56,8 +56,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from analysis.dumps import FLOAT_DTYPES, FP8_DTYPES, Dump, TensorSource
-from analysis.fp8_companions import SCALE_SUFFIXES, CompanionFinder, config_blocks, parse_block
+from fp8sim.analysis.dumps import FLOAT_DTYPES, FP8_DTYPES, Dump, TensorSource
+from fp8sim.analysis.fp8_companions import SCALE_SUFFIXES, CompanionFinder, config_blocks, parse_block
 
 __all__ = ["SCALE_SUFFIXES", "DEFAULT_BLOCK", "parse_block", "link_fp8_scales", "ScaledSource"]
 

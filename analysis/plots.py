@@ -38,7 +38,7 @@ def _label(text: str) -> str:
     """A tensor name or title as figure text: control characters escaped as the table writes
     them (no raw terminal escape in matplotlib's missing-glyph warnings), ``$`` taken literally
     (matplotlib would read ``$...$`` as mathtext, and refuse a malformed one)."""
-    from analysis.report import escape_cell
+    from fp8sim.analysis.report import escape_cell
 
     return escape_cell(text).replace("$", r"\$")
 

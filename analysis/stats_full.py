@@ -26,7 +26,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from analysis.stats_blocks import _BLOCK, _INF_BITS, _MAG, _QUARTER, _pairwise_sum, _round_bits
+from fp8sim.analysis.stats_blocks import _BLOCK, _INF_BITS, _MAG, _QUARTER, _pairwise_sum, _round_bits
 from fp8sim._bitcast import add32, and32
 from fp8sim._bitcast import bits_f32 as _bits_f32
 from fp8sim._bitcast import f32_bits as _f32_bits

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from analysis.stats import parse_variants, tensor_stats  # noqa: E402
+from fp8sim.analysis.stats import parse_variants, tensor_stats  # noqa: E402
 from fp8sim.formats import get_format  # noqa: E402
 
 
@@ -127,7 +127,7 @@ def main() -> None:
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, numba threads "
           f"{numba.get_num_threads()}, python {platform.python_version()}, numpy {np.__version__}")  # fmt: skip
     print(f"data: {args.n} float32 elements ({args.n * 4 / 2**20:.0f} MiB); 2 formats x tensor scaling")
-    print(f"analysis.stats  : {rate(t_ours):7.3f} Gelem/s  (median {t_ours * 1e3:.1f} ms)")
+    print(f"fp8sim.analysis.stats  : {rate(t_ours):7.3f} Gelem/s  (median {t_ours * 1e3:.1f} ms)")
     print(f"numpy multi-pass: {rate(t_np):7.3f} Gelem/s  (median {t_np * 1e3:.1f} ms)")
     print(f"numpy copy      : {rate(t_copy):7.3f} Gelem/s  (median {t_copy * 1e3:.1f} ms)")
     print(f"speed-up vs numpy implementation: {t_np / t_ours:.1f}x   (target >= 5x)")

@@ -44,7 +44,7 @@ def bench_quantize(log2n: int) -> list[dict]:
     import torch
     from triton.testing import do_bench
 
-    from kernels.quantize import quantize
+    from fp8sim.kernels.quantize import quantize
 
     n = 1 << log2n
     x = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 100
@@ -66,7 +66,7 @@ def bench_gemm(size: int) -> list[dict]:
     import torch
     from triton.testing import do_bench
 
-    from kernels.scaled_mm import scaled_mm
+    from fp8sim.kernels.scaled_mm import scaled_mm
 
     m = n = k = size
     a = (torch.randn(m, k, device="cuda") * 10).to(torch.float8_e4m3fn)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from kernels._cast import cast_args, decode_args, decode_f32, encode_f32, is_interpreter
+from fp8sim.kernels._cast import cast_args, decode_args, decode_f32, encode_f32, is_interpreter
 
 __all__ = ["adam_step", "SCALARS"]
 

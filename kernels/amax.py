@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._cast import is_interpreter
+from fp8sim.kernels._cast import is_interpreter
 
 __all__ = ["amax"]
 

@@ -8,7 +8,7 @@ contracted ``fma`` in the Adam step, ``cvt.rn.satfinite`` for the native cast, `
 operands for the GEMM.
 
 Run in a process where ``TRITON_INTERPRET`` is unset (``triton.jit`` returns interpreter
-functions otherwise): ``python -m kernels.aot [--arch 90] [--only NAME ...]``.
+functions otherwise): ``python -m fp8sim.kernels.aot [--arch 90] [--only NAME ...]``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ __all__ = ["list_variants", "compile_variant", "ptx_facts", "main"]
 
 def _variants() -> dict:
     """name -> (kernel, {arg: triton type}, {constexpr: value}, options)."""
-    from kernels import adam, amax, block_quantize, cast_transpose, dequantize, quantize, scaled_mm
-    from kernels._cast import cast_args, decode_args
+    from fp8sim.kernels import adam, amax, block_quantize, cast_transpose, dequantize, quantize, scaled_mm
+    from fp8sim.kernels._cast import cast_args, decode_args
 
     out: dict = {}
     q_types = {"x_ptr": "*fp32", "scale_ptr": "*fp32", "codes_ptr": "*u8", "amax_ptr": "*fp32",
@@ -143,13 +143,13 @@ def list_variants() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.aot", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fp8sim.kernels.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
     parser.add_argument("--only", nargs="*", help="variant names (default: all)")
     parser.add_argument("--json", action="store_true", help="print the PTX facts as JSON")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("kernels.aot: unset TRITON_INTERPRET (interpreter functions cannot be compiled)",
+        print("fp8sim.kernels.aot: unset TRITON_INTERPRET (interpreter functions cannot be compiled)",
               file=sys.stderr)
         return 2
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

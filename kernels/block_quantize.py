@@ -28,7 +28,7 @@ import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import parse_granularity, view2d
-from kernels._cast import (cast_args, check_sentinels, code_dtype, encode_f32, is_interpreter, scale_f32,
+from fp8sim.kernels._cast import (cast_args, check_sentinels, code_dtype, encode_f32, is_interpreter, scale_f32,
                            widen_f32)
 
 __all__ = ["block_quantize"]
@@ -205,7 +205,7 @@ def block_quantize(
     args = cast_args(fmt, rounding, saturate, srbits)
     gran = parse_granularity(granularity)
     if gran.kind == "tensor":
-        raise ValueError("block_quantize: granularity 'tensor' is kernels.quantize's job")
+        raise ValueError("block_quantize: granularity 'tensor' is fp8sim.kernels.quantize's job")
     is_mx = gran.kind == "mx"
     if is_mx and (margin != 0 or pow2 or epsilon != 0):
         raise ValueError("block_quantize: margin/pow2/epsilon do not apply to mx (E8M0 scale rule)")

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from kernels._cast import cast_args, check_sentinels, code_dtype, encode_f32, scale_f32, widen_f32
+from fp8sim.kernels._cast import cast_args, check_sentinels, code_dtype, encode_f32, scale_f32, widen_f32
 
 __all__ = ["cast_transpose"]
 

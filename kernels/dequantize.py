@@ -1,8 +1,8 @@
 """dequantize: ``float32(decode(codes)) * float32(scale_inv)``, cast to the output dtype (RNE).
 
-bfloat16 output is rounded with integer operations (:func:`kernels._cast.bf16_bits`).
+bfloat16 output is rounded with integer operations (:func:`fp8sim.kernels._cast.bf16_bits`).
 
-Decoding is the integer software decode of :func:`kernels._cast.decode_f32` (exact for every
+Decoding is the integer software decode of :func:`fp8sim.kernels._cast.decode_f32` (exact for every
 code, NaN and inf included, where the interpreter's fp8 -> float32 conversion is not).
 """
 
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from kernels._cast import (bf16_bits, decode_args, decode_f32, is_interpreter, narrow_keep_nan_sign,
+from fp8sim.kernels._cast import (bf16_bits, decode_args, decode_f32, is_interpreter, narrow_keep_nan_sign,
                            scale_f32)
 
 __all__ = ["dequantize"]

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from kernels._cast import bf16_bits, decode_args, decode_f32, is_interpreter
+from fp8sim.kernels._cast import bf16_bits, decode_args, decode_f32, is_interpreter
 
 __all__ = ["scaled_mm", "dot_path"]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import cli
+from fp8sim import cli
 import fp8sim
 from fp8sim.scaling import scale_from_amax
 from fp8sim.trace import TraceWriter

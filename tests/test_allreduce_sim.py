@@ -163,7 +163,7 @@ def test_replay_single_trace_uses_steps_as_ranks(tmp_path):
 def test_replay_cli_allreduce(tmp_path, capsys):
     import json
 
-    import cli
+    from fp8sim import cli
 
     _write_rank_traces(tmp_path)
     assert cli.main(["replay", str(tmp_path), "--allreduce", "2", "--json", "-"]) == 0

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import cli
-from analysis.report import Thresholds, classify, parse_fail_on
+from fp8sim import cli
+from fp8sim.analysis.report import Thresholds, classify, parse_fail_on
 from fp8sim.trace import TraceWriter
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -196,7 +196,7 @@ def test_plot_lists_with_odd_entries_delete_nothing_they_should_not(dumps, tmp_p
 def test_a_plot_is_listed_before_it_is_written(tmp_path):
     # a run stopped after some plots leaves them listed with the earlier run's: the next run
     # clears both
-    from analysis.plots import PlotDir
+    from fp8sim.analysis.plots import PlotDir
 
     d = tmp_path / "p"
     first = PlotDir(str(d))
@@ -360,7 +360,7 @@ def test_plot_labels_take_names_literally(tmp_path):
     # a terminal escape and a malformed mathtext in tensor names: no warning, no refusal
     import warnings
 
-    from analysis.plots import plot_heatmap
+    from fp8sim.analysis.plots import plot_heatmap
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -12,7 +12,7 @@ import zipfile
 import numpy as np
 import pytest
 
-import cli
+from fp8sim import cli
 from fp8sim.trace import TraceWriter
 
 
@@ -309,18 +309,18 @@ def test_an_unwritable_plot_dir_is_refused_before_any_work(good, tmp_path, capsy
 
     monkeypatch.setattr(tempfile, "TemporaryFile", refused)
     calls = []
-    monkeypatch.setattr("analysis.stats.tensor_stats", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr("fp8sim.analysis.stats.tensor_stats", lambda *a, **k: calls.append(1))
     rc, out, err = run(capsys, "analyze", good, "--plot", tmp_path / "p")
     assert rc == 2 and not calls and err.strip().endswith("p: not writable (Operation not permitted)")
 
 
 def test_an_internal_error_exits_3_in_one_line(good, capsys, monkeypatch):
-    import analysis.stats
+    import fp8sim.analysis.stats as stats_mod
 
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(analysis.stats, "tensor_stats", boom)
+    monkeypatch.setattr(stats_mod, "tensor_stats", boom)
     monkeypatch.delenv("FP8SIM_DEBUG", raising=False)
     rc, out, err = run(capsys, "analyze", good)
     assert rc == 3 and "internal error: RuntimeError: boom" in err and err.count("\n") == 1
@@ -348,7 +348,7 @@ def test_one_line_keeps_short_messages_whole_and_cuts_long_ones():
 
 
 def test_fail_on_takes_both_infinities():
-    from analysis.report import parse_fail_on
+    from fp8sim.analysis.report import parse_fail_on
 
     (hi,), (lo,) = parse_fail_on("overflow>inf"), parse_fail_on("sqnr_db>-inf")
     assert hi.value == float("inf") and lo.value == float("-inf")
@@ -385,7 +385,7 @@ def test_hugging_face_torch_bin_checkpoints(tmp_path, capsys):
                                         ("events>=0", "never negative"), ("overflow>=0", "never negative"),
                                         ("underflow>200%", "at most 100%")])  # fmt: skip
 def test_fail_on_rules_that_cannot_decide_are_refused(rule, says):
-    from analysis.report import REPLAY_FAIL_METRICS, parse_fail_on
+    from fp8sim.analysis.report import REPLAY_FAIL_METRICS, parse_fail_on
 
     with pytest.raises(ValueError, match=says):
         parse_fail_on(rule, REPLAY_FAIL_METRICS)

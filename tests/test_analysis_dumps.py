@@ -15,7 +15,7 @@ import torch
 from safetensors.numpy import save_file as st_save_np
 from safetensors.torch import save_file as st_save_torch
 
-from analysis.dumps import expand_paths, iter_dumps, open_dump
+from fp8sim.analysis.dumps import expand_paths, iter_dumps, open_dump
 from fp8sim.trace import TraceWriter
 
 RNG = np.random.default_rng(11)
@@ -181,8 +181,8 @@ _RSS_SCRIPT = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from analysis.dumps import open_dump
-    from analysis.stats import parse_variants, tensor_stats
+    from fp8sim.analysis.dumps import open_dump
+    from fp8sim.analysis.stats import parse_variants, tensor_stats
 
     def status_mb(key):
         for line in open("/proc/self/status"):
@@ -342,7 +342,7 @@ def test_raw_pickle_with_code_is_refused_without_warnings(tmp_path):
 def _small_windows(monkeypatch, window=256, ahead=512):
     """Shrink the strided-copy window and read-ahead so small arrays take many pieces; record
     the byte span of every dropped piece and the element count of every strided copy."""
-    import analysis.dumps_strided as ds
+    import fp8sim.analysis.dumps_strided as ds
 
     monkeypatch.setattr(ds, "WINDOW_BYTES", window)
     monkeypatch.setattr(ds, "READAHEAD_BYTES", ahead)
@@ -357,7 +357,7 @@ def _small_windows(monkeypatch, window=256, ahead=512):
         seen["copies"].append(stop - start)
         return copy(arr, start, stop, **kw)
 
-    import analysis.dumps_torch as dt_mod
+    import fp8sim.analysis.dumps_torch as dt_mod
 
     for mod in (ds, dt_mod):
         monkeypatch.setattr(mod, "drop_pages", drop_rec)
@@ -385,7 +385,7 @@ def test_fortran_arrays_read_exactly_and_bounded(tmp_path, monkeypatch, dtype):
     np.save(tmp_path / "f.npy", a)
     np.savez(tmp_path / "s.npz", a=a, b=a[:, :, 0])  # stored members
     np.savez_compressed(tmp_path / "z.npz", a=a)  # a deflated member: a stream, no mmap
-    import analysis.dumps as dumps_mod
+    import fp8sim.analysis.dumps as dumps_mod
 
     fetched = []
     stream = dumps_mod._stream_reader
@@ -457,7 +457,7 @@ def test_strided_pt_tensors_read_exactly_and_bounded(tmp_path, monkeypatch, lega
 
 
 def test_legacy_pt_that_cannot_be_laid_out_is_loaded_whole_with_a_note(tmp_path, monkeypatch, capsys):
-    import analysis.dumps_torch as dt_mod
+    import fp8sim.analysis.dumps_torch as dt_mod
 
     x = torch.from_numpy(RNG.standard_normal((3, 4)))
     f = tmp_path / "old.pt"
@@ -485,7 +485,7 @@ _STRIDED_RSS_SCRIPT = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from analysis.dumps import open_dump
+    from fp8sim.analysis.dumps import open_dump
 
     def status_mb(key):
         for line in open("/proc/self/status"):

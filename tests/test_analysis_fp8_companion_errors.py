@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from analysis.dumps import open_dump
-from analysis.fp8_scales import ScaledSource, link_fp8_scales
+from fp8sim.analysis.dumps import open_dump
+from fp8sim.analysis.fp8_scales import ScaledSource, link_fp8_scales
 
 NO_COMPANION = "FP8 codes analyzed as stored (no companion w_scale_inv or w_scale)"
 

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file as st_save_torch
 
-from analysis.dumps import open_dump
-from analysis.stats import parse_variants, tensor_stats
+from fp8sim.analysis.dumps import open_dump
+from fp8sim.analysis.stats import parse_variants, tensor_stats
 
 #: torch dtype name -> (torch dtype, ml_dtypes type)
 FP8 = {

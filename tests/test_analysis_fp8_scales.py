@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from analysis.dumps import open_dump
-from analysis.fp8_scales import ScaledSource, link_fp8_scales, parse_block
-from analysis.stats import parse_variants, tensor_stats
+from fp8sim.analysis.dumps import open_dump
+from fp8sim.analysis.fp8_scales import ScaledSource, link_fp8_scales, parse_block
+from fp8sim.analysis.stats import parse_variants, tensor_stats
 
 
 def quantize_blocks(w: torch.Tensor, r: int, c: int, dtype=torch.float8_e4m3fn):

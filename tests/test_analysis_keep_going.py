@@ -13,8 +13,8 @@ import zipfile
 import numpy as np
 import pytest
 
-import cli
-from analysis.dumps import TensorSource
+from fp8sim import cli
+from fp8sim.analysis.dumps import TensorSource
 from fp8sim.trace import TraceWriter
 
 
@@ -201,7 +201,7 @@ def test_control_characters_in_names_stay_in_one_table_row(tmp_path, capsys):
 
 
 def test_cell_escapes_like_the_error_lines():
-    from analysis.report import escape_cell
+    from fp8sim.analysis.report import escape_cell
     from fp8sim.commands._output import one_line
 
     assert escape_cell("a\nb\rc") == one_line("a\nb\rc") == "a\\nb\\rc"

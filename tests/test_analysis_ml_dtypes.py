@@ -1,4 +1,4 @@
-"""analysis.stats against an independent reference: the casts of ml_dtypes (RNE from float32, an
+"""fp8sim.analysis.stats against an independent reference: the casts of ml_dtypes (RNE from float32, an
 independent library) with the scale rules written out from their definitions (DESIGN.md; OCP MX
 v1.0 for the shared scale), numpy for the sums. Nothing of fp8sim is used to make the expected
 figures, so these tests do not inherit a bug of the emulator the way the emulator-based ones
@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from analysis.stats import parse_variants, tensor_stats
+from fp8sim.analysis.stats import parse_variants, tensor_stats
 
 #: format -> (ml_dtypes type, max, min_normal, emax, mantissa bits, overflow rule of ml_dtypes:
 #: "nonfinite" = it returns inf/NaN, "saturate" = it clamps to +-max)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fp8sim
-from analysis.replay import RECORDED, _at_max, replay_policies, summary_rows
+from fp8sim.analysis.replay import RECORDED, _at_max, replay_policies, summary_rows
 from fp8sim.policies import parse_policy
 from fp8sim.scaling import scale_from_amax
 from fp8sim.trace import TraceWriter

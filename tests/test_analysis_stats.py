@@ -1,4 +1,4 @@
-"""analysis.stats: every figure equals what fp8sim.scaling.quantize_scaled + dequantize (and
+"""fp8sim.analysis.stats: every figure equals what fp8sim.scaling.quantize_scaled + dequantize (and
 fp8sim.decode) give on the whole tensor; counts exactly, float sums to float64 rounding."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fp8sim
-from analysis.stats import LOG2_EXPONENTS, Variant, parse_variants, tensor_stats
+from fp8sim.analysis.stats import LOG2_EXPONENTS, Variant, parse_variants, tensor_stats
 from fp8sim.scaling import compute_amax, dequantize, quantize_scaled, scale_from_amax
 
 SCALINGS = ["none", "tensor", "row", "col", "block:16x16", "block:1x128", "mx", "mx:rceil"]
@@ -171,7 +171,7 @@ def test_sqnr_of_huge_float64_values_stays_defined():
 
 
 def test_table_never_shows_exact_for_an_undefined_sqnr():
-    from analysis.report import format_table
+    from fp8sim.analysis.report import format_table
 
     base = {"status": "ok", "name": "t", "format": "e4m3", "scaling": "none", "numel": 4,
             "amax": 1.0, "scale": 1.0, "overflow": 0, "overflow_pct": 0.0, "underflow": 0,
@@ -370,7 +370,7 @@ def test_zeros_in_lost_mx_blocks_are_neither_underflow_nor_subnormal():
 def test_group_range_holds_every_touched_group_and_no_whole_long_row():
     # brute force over small shapes, tiles and chunks: every group a chunk touches lies in the
     # range; along rows (r == 1, or a chunk inside one row) the range is exactly those groups
-    from analysis.stats import _group_range
+    from fp8sim.analysis.stats import _group_range
 
     for m, n in [(1, 37), (3, 10), (7, 5), (4, 64)]:
         for r, c in [(1, 1), (1, 4), (2, 3), (3, 8), (m, n), (1, n)]:
@@ -410,7 +410,7 @@ def test_the_one_call_path_equals_the_two_pass_path(dtype, monkeypatch):
     # call, the scales from fp8sim.scaling.scale_multiplier inside it; adding a row variant sends
     # the same tensor through pass A, Python's scales and pass B: the same parts and blocks, so
     # the shared variants' figures are equal to the last bit
-    import analysis.stats as stats_mod
+    import fp8sim.analysis.stats as stats_mod
 
     rng = np.random.default_rng(21)
     x = _awkward_float32(rng, 300_000).astype(dtype)

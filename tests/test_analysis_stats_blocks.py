@@ -1,4 +1,4 @@
-"""analysis.stats_full (and the scan's full-block sum in analysis.stats_blocks) against
+"""fp8sim.analysis.stats_full (and the scan's full-block sum in analysis.stats_blocks) against
 independent references.
 
 The cast figures as thresholds on |x|'s bits (checked against a numpy RNE rounding, frexp/rint/
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import fp8sim
-from analysis.stats_blocks import _BLOCK, _cast_block, _pairwise_sum, _squares_full_block_f32
-from analysis.stats_full import _cast_full_block_f32, _cast_full_pair_f32, _cast_thresholds
+from fp8sim.analysis.stats_blocks import _BLOCK, _cast_block, _pairwise_sum, _squares_full_block_f32
+from fp8sim.analysis.stats_full import _cast_full_block_f32, _cast_full_pair_f32, _cast_thresholds
 
 FORMATS = ["e4m3", "e5m2", "e3m4", "e4m3fnuz", "e5m2fnuz", "e2m1", "e3m2", "e2m3"]
 

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-import cli
+from fp8sim import cli
 from fp8sim.atomic_file import atomic_write
 
 

@@ -53,7 +53,7 @@ def quantize_or_raise(be, x, fmt, scale, rounding, saturate, seed=None):
 def be(request):
     if request.param == "triton":
         pytest.importorskip("triton")
-        from kernels._cast import is_interpreter
+        from fp8sim.kernels._cast import is_interpreter
 
         if not is_interpreter():  # CPU tensors need the interpreter; GPU: test_kernels_gpu.py
             pytest.skip("triton on CPU tensors needs TRITON_INTERPRET=1")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import cli
+from fp8sim import cli
 import fp8sim
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
 
 
 def test_usage_errors_are_one_line_and_exit_2():
-    proc = subprocess.run([sys.executable, "-c", "import cli,sys; sys.exit(cli.main())",
+    proc = subprocess.run([sys.executable, "-c", "import sys; from fp8sim import cli; sys.exit(cli.main())",
                            "cast", "1", "--rounding", "bogus"], capture_output=True, text=True,
                           cwd=ROOT)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-import cli
+from fp8sim import cli
 from fp8sim.trace import TraceWriter
 
 
@@ -122,7 +122,7 @@ def test_an_interrupt_wrapped_by_numba_is_an_interrupt(capsys, monkeypatch):
 
 def test_an_interrupt_while_the_commands_load_is_one_line(capsys, monkeypatch):
     # Ctrl-C during the first second (the command modules import torch): no traceback
-    import cli
+    from fp8sim import cli
 
     def interrupted():
         raise KeyboardInterrupt

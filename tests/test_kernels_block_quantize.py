@@ -15,7 +15,7 @@ import fp8sim
 from fp8sim.backends import get
 from fp8sim.backends.cases import random_values
 from fp8sim.scaling import e8m0_codes, quantize_scaled
-from kernels.block_quantize import block_quantize
+from fp8sim.kernels.block_quantize import block_quantize
 
 SEED = 99
 # the interpreter runs on numpy: inf * 0 and overflowing products warn there (values are right)

@@ -1,6 +1,6 @@
 """The kernels compile for sm_90 (H100/H200) without a GPU, with the instructions we rely on.
 
-The interpreter cannot show what the GPU compiler does; ``kernels.aot`` compiles for a target
+The interpreter cannot show what the GPU compiler does; ``fp8sim.kernels.aot`` compiles for a target
 with the ptxas Triton ships. Checked in the PTX: the Adam step uses IEEE ``div.rn``/``sqrt.rn``
 and no contracted ``fma`` (bit-exact to the emulator's one-rounding-per-operation recipe), the
 native quantize uses ``cvt.rn.satfinite`` (round to nearest even, saturating -- the semantics it
@@ -28,7 +28,7 @@ def facts():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.aot", "--arch", "90", "--json", "--only", *VARIANTS],
+        [sys.executable, "-m", "fp8sim.kernels.aot", "--arch", "90", "--json", "--only", *VARIANTS],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -17,7 +17,7 @@ from fp8sim.backends.cases import edge_values, random_values
 from fp8sim.emulator import ROUNDING_MODES, decode_table
 
 try:
-    from kernels._cast import is_interpreter
+    from fp8sim.kernels._cast import is_interpreter
 except ImportError:  # no triton at all
     is_interpreter = None
 
@@ -162,7 +162,7 @@ def test_scaled_mm_on_gpu(tb, fmts, native):
     rel = 2.0**-12 if native and fmts[0] in ("e4m3", "e5m2") else (k + 2) * 2.0**-24
     assert np.all(np.abs(out.double().numpy() - ref) <= rel * mag + 2.0**-24 * np.abs(ref))
     if native and fmts[0] in ("e4m3", "e5m2"):  # fast_accum: the MMA's own adds, looser
-        from kernels.scaled_mm import scaled_mm
+        from fp8sim.kernels.scaled_mm import scaled_mm
 
         fast = scaled_mm(a.cuda(), fmts[0], sa.cuda(), b.cuda(), fmts[1], torch.tensor(0.25).cuda(),
                          fast_accum=True).cpu()

@@ -15,8 +15,8 @@ import fp8sim
 from fp8sim.backends import get
 from fp8sim.backends.cases import random_values
 from fp8sim.emulator import decode_table
-from kernels.dequantize import dequantize
-from kernels.quantize import quantize
+from fp8sim.kernels.dequantize import dequantize
+from fp8sim.kernels.quantize import quantize
 
 ONE = torch.tensor(1.0)
 
@@ -101,10 +101,10 @@ def test_rounding_carry_into_the_exponent():
 
 def test_many_programs_and_ragged_tails():
     """Small blocks: partial amaxes of many programs reduce right, ragged last blocks mask."""
-    from kernels.adam import adam_step as adam_kernel
-    from kernels.amax import amax
-    from kernels.block_quantize import block_quantize
-    from kernels.cast_transpose import cast_transpose
+    from fp8sim.kernels.adam import adam_step as adam_kernel
+    from fp8sim.kernels.amax import amax
+    from fp8sim.kernels.block_quantize import block_quantize
+    from fp8sim.kernels.cast_transpose import cast_transpose
     from fp8sim.scaling import quantize_scaled
 
     x = torch.from_numpy(random_values(257 * 31, seed=21, spread=8.0)).reshape(257, 31)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import cli
+from fp8sim import cli
 from fp8sim.trace import TraceReader, TraceWriter
 
 

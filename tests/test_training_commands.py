@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import cli
+from fp8sim import cli
 from fp8sim.training.trainer import read_metrics
 
 

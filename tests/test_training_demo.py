@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import cli
+from fp8sim import cli
 
 
 @pytest.fixture(autouse=True, scope="module")

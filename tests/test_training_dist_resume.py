@@ -121,7 +121,7 @@ def test_resume_refuses_a_different_run(tmp_path):
 
 
 def test_cli_resumes_an_fp8lm_run(tmp_path, capsys):
-    import cli
+    from fp8sim import cli
 
     small = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
              "--steps", "3", "--warmup", "1", "--eval-every", "3", "--checkpoint-every", "1", "--json"]

@@ -335,7 +335,7 @@ def test_fp8lm_recipes():
 
 
 def test_cli_trains_fp8lm_in_one_process_and_compares(tmp_path, capsys):
-    import cli
+    from fp8sim import cli
 
     small = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
              "--steps", "3", "--warmup", "1", "--eval-every", "3", "--checkpoint-every", "3"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.replay import replay_policies
+from fp8sim.analysis.replay import replay_policies
 from fp8sim.policies import parse_policy
 from fp8sim.trace import TraceReader
 from fp8sim.training import record

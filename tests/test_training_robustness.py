@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import cli
+from fp8sim import cli
 from fp8sim.training.checkpoint import CHECKPOINT_NAME
 from fp8sim.training.dist_checkpoint import CHECKPOINT_DIR
 from fp8sim.training.trainer import read_metrics

@@ -26,14 +26,14 @@ from fp8sim.backends.base import (
     reciprocal,
 )
 from fp8sim.formats import FloatFormat, get_format
-from kernels import adam as _adam
-from kernels._cast import is_interpreter
-from kernels.amax import amax as _amax
-from kernels.block_quantize import block_quantize as _block_quantize
-from kernels.cast_transpose import cast_transpose as _cast_transpose
-from kernels.dequantize import dequantize as _dequantize
-from kernels.quantize import quantize as _quantize
-from kernels.scaled_mm import scaled_mm as _scaled_mm
+from fp8sim.kernels import adam as _adam
+from fp8sim.kernels._cast import is_interpreter
+from fp8sim.kernels.amax import amax as _amax
+from fp8sim.kernels.block_quantize import block_quantize as _block_quantize
+from fp8sim.kernels.cast_transpose import cast_transpose as _cast_transpose
+from fp8sim.kernels.dequantize import dequantize as _dequantize
+from fp8sim.kernels.quantize import quantize as _quantize
+from fp8sim.kernels.scaled_mm import scaled_mm as _scaled_mm
 
 __all__ = ["TritonBackend"]
 
