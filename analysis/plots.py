@@ -17,13 +17,15 @@ import math
 import os
 import re
 import tempfile
+import textwrap
 from typing import Sequence
 
 import numpy as np
 
 from fp8sim.atomic_file import atomic_write, save_figure
 
-__all__ = ["PlotDir", "plot_log2_histogram", "plot_heatmap", "plot_policy_summary", "safe_name"]
+__all__ = ["PlotDir", "plot_log2_histogram", "plot_heatmap", "plot_policy_summary", "safe_name",
+           "color_limit", "wrap_name"]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -41,6 +43,49 @@ def _label(text: str) -> str:
     from fp8sim.analysis.report import escape_cell
 
     return escape_cell(text).replace("$", r"\$")
+
+
+def wrap_name(name: str, width: int = 48) -> str:
+    """A whole tensor or policy name as figure text, broken into lines of at most ``width``
+    characters after ``.``, ``,``, ``:`` or ``_`` where possible: never cut or abbreviated."""
+    text = _label(name)
+    if len(text) <= width:
+        return text
+    parts = re.split(r"(?<=[.,:_/])", text)
+    lines, cur = [], ""
+    for part in parts:
+        while len(part) > width:  # a run with no break point: split it hard
+            if cur:
+                lines.append(cur)
+                cur = ""
+            lines.append(part[:width])
+            part = part[width:]
+        if len(cur) + len(part) > width:
+            lines.append(cur)
+            cur = part
+        else:
+            cur += part
+    if cur:
+        lines.append(cur)
+    return "\n".join(lines)
+
+
+def color_limit(matrix: np.ndarray, quantile: float = 0.99) -> tuple[float, int]:
+    """(top of the colour scale, number of cells above it) for a heatmap of shares.
+
+    The top is the ``quantile`` of the finite values, so that a few extreme cells (a warm-up
+    step where 93% of the values underflow) do not turn every other cell black; cells above it
+    show in the top colour and are counted in the colour bar's label. All cells at or below
+    it: the top is the maximum (nothing clipped)."""
+    vals = np.asarray(matrix, dtype=float)
+    vals = vals[np.isfinite(vals)]
+    if vals.size == 0:
+        return 1.0, 0
+    top = float(np.max(vals))
+    q = float(np.quantile(vals, quantile))
+    if q <= 0 or q >= top:
+        return (top if top > 0 else 1.0), 0
+    return q, int(np.count_nonzero(vals > q))
 
 
 class PlotDir:
@@ -189,17 +234,28 @@ def plot_heatmap(
 ) -> str:
     """Tensors (rows) x steps (columns) heatmap of ``matrix`` (NaN: no record). Returns path."""
     plt = _plt()
-    h = min(12.0, 1.5 + 0.22 * max(1, len(names)))
-    fig, ax = plt.subplots(figsize=(9, h), dpi=100)
+    labels = [wrap_name(n) for n in names]
+    rows = sum(t.count("\n") + 1 for t in labels)
+    h = min(40.0, 1.5 + 0.12 * max(1, rows) + 0.1 * max(1, len(names)))
+    fig, ax = plt.subplots(figsize=(10, h), dpi=100)
     try:
-        data = np.ma.masked_invalid(np.asarray(matrix, dtype=float))
+        raw = np.asarray(matrix, dtype=float)
+        top, above = color_limit(raw)
+        data = np.ma.masked_invalid(raw)
         ext = [float(steps[0]) - 0.5, float(steps[-1]) + 0.5, len(names) - 0.5, -0.5] if len(steps) else None
-        im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="magma", extent=ext)
+        im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="magma", extent=ext,
+                       vmin=0.0, vmax=top)
         ax.set_yticks(range(len(names)))
-        ax.set_yticklabels([_label(n)[-40:] for n in names], fontsize=6)
+        ax.set_yticklabels(labels, fontsize=6)
         ax.set_xlabel("step")
-        ax.set_title(_label(title), fontsize=9)
-        fig.colorbar(im, ax=ax, label=label)
+        if above:  # said where it is read: under the title
+            note = (f"colour scale clipped at {top:.3g}: {above} cell(s) above it, up to "
+                    f"{float(np.nanmax(raw)):.3g}, show in the top colour")
+            ax.set_title(f"{_label(title)}\n{note}", fontsize=9)
+            fig.colorbar(im, ax=ax, label=f"{label} (clipped)", extend="max")
+        else:
+            ax.set_title(_label(title), fontsize=9)
+            fig.colorbar(im, ax=ax, label=label)
         fig.tight_layout()
         save_figure(fig, path)
     finally:
@@ -210,19 +266,21 @@ def plot_heatmap(
 def plot_policy_summary(path: str | os.PathLike, summaries: Sequence[dict]) -> str:
     """Per policy: overflow events and worst / median underflow share. Returns path."""
     plt = _plt()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    labels = [wrap_name(s["policy"], 40) for s in summaries]  # whole names: margin=0 vs 1 differ
+    rows = sum(t.count("\n") + 1 for t in labels)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.22 * max(rows, 2)), dpi=100,
+                                 sharey=True)
     try:
-        labels = [s["policy"][:30] for s in summaries]
-        x = np.arange(len(labels))
-        a1.bar(x, [s.get("events", 0) for s in summaries], color="tab:red")
+        y = np.arange(len(labels))
+        a1.barh(y, [s.get("events", 0) for s in summaries], color="tab:red")
         a1.set_title("overflow events (amax beyond max)", fontsize=9)
-        a2.bar(x - 0.2, [s.get("median_underflow_pct", 0) for s in summaries], 0.4, label="median")
-        a2.bar(x + 0.2, [s.get("worst_underflow_pct", 0) for s in summaries], 0.4, label="worst")
+        a2.barh(y - 0.2, [s.get("median_underflow_pct", 0) for s in summaries], 0.4, label="median")
+        a2.barh(y + 0.2, [s.get("worst_underflow_pct", 0) for s in summaries], 0.4, label="worst")
         a2.set_title("underflow share (%)", fontsize=9)
         a2.legend(fontsize=7)
-        for a in (a1, a2):
-            a.set_xticks(x)
-            a.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+        a1.set_yticks(y)
+        a1.set_yticklabels(labels, fontsize=7)
+        a1.invert_yaxis()
         fig.tight_layout()
         save_figure(fig, path)
     finally:

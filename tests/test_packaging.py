@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -49,15 +50,29 @@ def _can_build_without_isolation() -> bool:
     return int(setuptools.__version__.split(".")[0]) >= 70  # builds wheels without `wheel`
 
 
+def _source_copy(dest: Path) -> Path:
+    """The project's sources copied to ``dest`` (links kept as links), so that building the wheel
+    leaves no build/ folder in the checkout."""
+    skip = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__",
+                                  ".numba_cache", ".hypothesis", ".pytest_cache", ".devrun")
+    for name in ("pyproject.toml", "README.md", "LICENSE", "cli.py"):
+        shutil.copy2(ROOT / name, dest / name)
+    for top in ("fp8sim", "kernels", "analysis"):
+        shutil.copytree(ROOT / top, dest / top, symlinks=True, ignore=skip)
+    return dest
+
+
 def test_the_wheel_has_one_top_level_name(tmp_path):
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)]
+    src = _source_copy(tmp_path / "src" if (tmp_path / "src").mkdir() is None else tmp_path)
+    out = tmp_path / "wheel"
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)]
     if _can_build_without_isolation():
         cmd.insert(4, "--no-build-isolation")
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (wheel,) = tmp_path.glob("fp8sim-*.whl")
+    (wheel,) = out.glob("fp8sim-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"fp8sim"}, sorted(tops)
