@@ -42,11 +42,24 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+def _version() -> str:
+    """The installed distribution's version (the package's own when not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("fp8sim")
+    except metadata.PackageNotFoundError:
+        from fp8sim import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="fp8sim",
         description="Bit-exact FP8 emulation, analysis, policy replay and FP8 training.",
     )
+    parser.add_argument("--version", action="version", version=f"fp8sim {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMAND_MODULES:

@@ -305,8 +305,10 @@ def run_analyze(args: argparse.Namespace) -> int:
                               pow2=args.pow2)  # fmt: skip
     rules = parse_fail_on(args.fail_on) if args.fail_on is not None else []
     th = Thresholds(args.underflow_warning, args.underflow_critical)
-    if args.chunk < 1 or args.top < 0:
-        raise ValueError("--chunk must be >= 1 and --top >= 0")
+    if args.top < 0:
+        raise ValueError(f"--top must be >= 0 (0 prints every row), got {args.top}")
+    if args.chunk < 1:  # a hidden testing option
+        raise ValueError(f"--chunk must be >= 1, got {args.chunk}")
     fp8_block = parse_block(args.fp8_block) if args.fp8_block is not None else None
     if fp8_block is not None and args.fp8_scales != "apply":  # it would change nothing
         raise ValueError("--fp8-block applies with --fp8-scales apply only")

@@ -66,6 +66,16 @@ def cast_record(value: float, code: int, decoded: float, fmt) -> dict:
     }
 
 
+def _in_cli_words(message: str, values: list[str]) -> str:
+    """An encode error as the command line says it: flags instead of keyword arguments, the
+    value as typed instead of its array index."""
+    message = message.replace("use saturate=True", "leave out --no-saturate to saturate")
+    m = re.search(r"\(first at index \((\d+),\)\)", message)
+    if m and int(m.group(1)) < len(values):
+        message = message.replace(m.group(0), f"(first: {values[int(m.group(1))]})")
+    return message
+
+
 def run(args: argparse.Namespace) -> int:
     fmt = get_format(args.format)
     x = np.array([_parse_value(v) for v in args.values], dtype=np.float64)
@@ -74,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
         kw = dict(seed=0 if args.seed is None else args.seed, srbits=args.srbits)
     elif args.seed is not None or args.srbits is not None:
         raise ValueError(f"--seed and --srbits are for --rounding stochastic, not {args.rounding}")
-    codes = encode(x, fmt, rounding=args.rounding, saturate=not args.no_saturate, **kw)
+    try:
+        codes = encode(x, fmt, rounding=args.rounding, saturate=not args.no_saturate, **kw)
+    except ValueError as exc:  # the emulator's words are the API's: say it with the CLI's
+        raise ValueError(_in_cli_words(str(exc), args.values)) from None
     values = decode(codes, fmt, dtype=np.float64)
     records = [cast_record(float(v), int(c), float(d), fmt) for v, c, d in zip(x, codes, values)]
     if args.json:

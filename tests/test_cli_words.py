@@ -1,0 +1,42 @@
+"""The command line speaks in its own words: flags and values as typed, never the Python API's
+keyword arguments or array indices; ``--version``."""
+
+from __future__ import annotations
+
+import pytest
+
+import fp8sim
+from fp8sim import cli
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fp8sim {fp8sim.__version__}"
+
+
+def test_cast_overflow_names_the_flag_and_the_value(capsys):
+    rc, out, err = run(capsys, "cast", "3", "100", "--format", "e2m1", "--no-saturate")
+    assert rc == 2 and out == ""
+    assert "--no-saturate" in err and "(first: 100)" in err
+    assert "saturate=True" not in err and "index" not in err and err.count("\n") == 1
+
+
+def test_cast_nan_into_a_format_without_nan(capsys):
+    rc, _, err = run(capsys, "cast", "1", "nan", "--format", "e2m1")
+    assert rc == 2 and "(first: nan)" in err and "index" not in err
+
+
+def test_top_negative_blames_top(tmp_path, capsys):
+    import numpy as np
+
+    np.save(tmp_path / "g.npy", np.ones(8, np.float32))
+    rc, _, err = run(capsys, "analyze", str(tmp_path / "g.npy"), "--top", "-1")
+    assert rc == 2 and "--top must be >= 0" in err and "--chunk" not in err
