@@ -31,7 +31,28 @@ def get(name: str) -> Backend:
     key = name.strip().lower()
     if key not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
+    if key == "triton":
+        _check_triton_usable()
     if key not in _INSTANCES:
         module, cls = BACKENDS[key]
         _INSTANCES[key] = getattr(importlib.import_module(module), cls)()
     return _INSTANCES[key]
+
+
+def _check_triton_usable() -> None:
+    """ValueError, in words a user can act on, when the triton backend cannot run here: Triton
+    not installed (an optional extra), or neither a CUDA GPU nor Triton's CPU interpreter."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("backend 'triton' needs Triton, which is not installed: "
+                         "pip install 'fp8sim[gpu]' (or pip install triton)")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("backend 'triton' needs a CUDA GPU, or TRITON_INTERPRET=1 in the "
+                         "environment (set before fp8sim starts) to run its kernels in Triton's "
+                         "CPU interpreter")
