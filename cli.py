@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (ValueError, TypeError, ArithmeticError, OSError, NotImplementedError,
             UsageError) as exc:
-        if os.environ.get("FP8SIM_DEBUG") == "1":
-            raise
+        _traceback_if_debug()
         msg = one_line(str(exc)) or type(exc).__name__
         print(f"fp8sim {args.command}: error: {msg}", file=sys.stderr)
         return 2
@@ -104,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if _interrupted(exc):  # Ctrl-C inside a numba function surfaces as a SystemError
             print(f"fp8sim {args.command}: interrupted", file=sys.stderr)
             return 130
-        if os.environ.get("FP8SIM_DEBUG") == "1":
-            raise
+        _traceback_if_debug()
         msg = one_line(str(exc))
         if isinstance(exc, RuntimeError) and "can't allocate memory" in msg:  # torch's allocator
             print(f"fp8sim {args.command}: error: out of memory ({msg})", file=sys.stderr)
@@ -113,6 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8sim {args.command}: internal error: {type(exc).__name__}: {msg} (a bug; "
               "FP8SIM_DEBUG=1 shows the traceback)", file=sys.stderr)  # fmt: skip
         return 3
+
+
+def _traceback_if_debug() -> None:
+    """With ``FP8SIM_DEBUG=1``, the traceback of the exception being handled on stderr; the
+    exit code stays the one the error has (2 bad input, 3 a bug), never Python's 1, which means a
+    crossed ``--fail-on`` threshold."""
+    if os.environ.get("FP8SIM_DEBUG") == "1":
+        import traceback
+
+        traceback.print_exc()
 
 
 def _interrupted(exc: BaseException) -> bool:

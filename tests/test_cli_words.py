@@ -40,3 +40,17 @@ def test_top_negative_blames_top(tmp_path, capsys):
     np.save(tmp_path / "g.npy", np.ones(8, np.float32))
     rc, _, err = run(capsys, "analyze", str(tmp_path / "g.npy"), "--top", "-1")
     assert rc == 2 and "--top must be >= 0" in err and "--chunk" not in err
+
+
+def test_cast_shows_the_sign_of_a_nan(capsys):
+    rc, out, _ = run(capsys, "cast", "--", "-nan", "nan")
+    rows = out.strip().splitlines()[2:]
+    assert rc == 0 and rows[0].split()[:2] == ["-nan", "0xff"] and rows[1].split()[:2] == ["nan", "0x7f"]
+    assert rows[0].split()[3] == "-nan"  # the code decodes to -NaN, as torch and ml_dtypes do
+
+
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(capsys, monkeypatch):
+    monkeypatch.setenv("FP8SIM_DEBUG", "1")
+    rc, _, err = run(capsys, "cast", "1", "nan", "--format", "e2m1")
+    assert rc == 2  # bad input stays 2 (Python's 1 would read as a crossed --fail-on)
+    assert "Traceback (most recent call last)" in err and "(first: nan)" in err

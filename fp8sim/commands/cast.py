@@ -66,6 +66,11 @@ def cast_record(value: float, code: int, decoded: float, fmt) -> dict:
     }
 
 
+def _show(v: float) -> str:
+    """A float as Python writes it, but a NaN with its sign (``repr`` drops it: -nan -> 'nan')."""
+    return ("-nan" if math.copysign(1.0, v) < 0 else "nan") if math.isnan(v) else repr(v)
+
+
 def _in_cli_words(message: str, values: list[str]) -> str:
     """An encode error as the command line says it: flags instead of keyword arguments, the
     value as typed instead of its array index."""
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         print_json({"format": fmt.name, "rounding": args.rounding,
                     "saturate": not args.no_saturate, "results": records})
         return 0
-    rows = [[f"{r['input']!r}", r["code"], r["fields"], f"{r['value']!r}",
+    rows = [[_show(r["input"]), r["code"], r["fields"], _show(r["value"]),
              f"{r['abs_error']:.6g}", f"{r['rel_error']:.3e}"] for r in records]
     print_table(["input", "code", "s.exp.man", "value", "abs error", "rel error"], rows)
     return 0
