@@ -1,0 +1,431 @@
+"""``assert_bitexact`` and ``assert_scaled_bitexact``: a user's cast against the emulator.
+
+Both follow numpy.testing / torch.testing: they return None when the cast agrees and raise
+AssertionError with a readable report when it does not. A run has two parts:
+
+1. fixed edge cases of the format (always; no hypothesis needed), every element checked at
+   once, so the report counts all mismatches among them;
+2. ``max_examples`` arrays drawn by hypothesis (:func:`fp8sim.testing.arrays`) searched with
+   ``hypothesis.find`` for one the cast gets wrong, which hypothesis then shrinks to a small
+   example before it is reported. ``max_examples=0`` skips this part (and hypothesis).
+
+Draws are reproducible: ``hypothesis_seed`` (default 0) seeds them; ``None`` draws afresh.
+Do not call these inside a ``@given`` test (hypothesis refuses nested searches); use the
+strategies of :mod:`fp8sim.testing.strategies` there instead.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import numpy as np
+
+from fp8sim.backends.cases import edge_values, random_values
+from fp8sim.emulator import _is_torch, decode_table, encode
+from fp8sim.formats import FloatFormat, get_format
+from fp8sim.scaling import (
+    Granularity,
+    parse_granularity,
+    quantize_scaled,
+    scale_from_amax,
+    view2d,
+)
+from fp8sim.testing import _report as rep
+from fp8sim.testing.strategies import _HYPOTHESIS_HINT, _as_dtype, arrays
+
+__all__ = ["assert_bitexact", "assert_scaled_bitexact"]
+
+# -- moving arrays in and out of the user's function ----------------------------------------
+
+
+def _to_input(x: np.ndarray, device: str | None) -> Any:
+    """A copy of ``x`` for the user's function: numpy, or a torch tensor on ``device``."""
+    if device is None:
+        return x.copy()
+    import torch
+
+    if x.dtype.name == "bfloat16":
+        t = torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(x.copy())
+    return t.to(device)
+
+
+def _as_numpy(out: Any) -> np.ndarray:
+    if _is_torch(out):
+        import torch
+
+        t = out.detach().cpu()
+        if t.dtype.itemsize == 1 and t.dtype != torch.uint8:
+            t = t.view(torch.uint8)  # int8, float8_* dtypes: their bits
+        elif t.dtype.itemsize == 2 and t.dtype != torch.int16 and not t.dtype.is_floating_point:
+            t = t.to(torch.int32)  # uint16 has no numpy view in older torch
+        elif t.dtype in (torch.float16, torch.bfloat16):
+            t = t.view(torch.int16)
+        return t.numpy()
+    return np.asarray(out)
+
+
+def _received_codes(out: Any, fmt: FloatFormat, shape: tuple, what: str) -> np.ndarray:
+    """The codes ``out`` (numpy or torch; uint8/int8/uint16/int16 or a float8/16 dtype, read as
+    its bits) as int64 of ``shape``; TypeError or AssertionError when it cannot be codes."""
+    arr = _as_numpy(out)
+    size = arr.dtype.itemsize
+    if arr.dtype.kind == "f" and size > 2 or size > 4 or arr.dtype.kind == "b":
+        raise TypeError(
+            f"{what} must return codes (uint8, or uint16 for 16-bit formats; torch float8 "
+            f"tensors are read as their bits), got {arr.dtype} -- to compare values, not codes, "
+            "decode them with fp8sim.decode first"
+        )
+    if size in (1, 2) and arr.dtype.kind != "u":
+        arr = arr.view(np.uint8 if size == 1 else np.uint16)
+    if tuple(arr.shape) != tuple(shape):
+        raise AssertionError(f"{what} returned codes of shape {tuple(arr.shape)}, expected "
+                             f"{tuple(shape)} (the input's shape)")
+    return arr.astype(np.int64)
+
+
+def _bad_codes(expected: np.ndarray, received: np.ndarray, fmt: FloatFormat,
+               exact_nan: bool) -> np.ndarray:
+    """Elements whose codes differ; any NaN code matches an expected NaN unless ``exact_nan``."""
+    bad = expected.astype(np.int64) != received
+    if not exact_nan and bad.any() and fmt.has_nan:
+        table = decode_table(fmt, np.float64)
+        valid = (received >= 0) & (received < fmt.num_codes)
+        got = table[np.where(valid, received, 0)]
+        bad &= ~(valid & np.isnan(got) & np.isnan(table[expected]))
+    return bad
+
+
+def _encodable(x: np.ndarray, fmt: FloatFormat, kw: dict) -> np.ndarray:
+    """Mask of the elements ``encode`` accepts (formats without NaN refuse NaN, and inf or
+    overflow unless saturating); checked element by element only where one could fail."""
+    ok = np.ones(x.shape, bool)
+    if fmt.has_nan:
+        return ok
+    x32 = np.asarray(x, np.float64)
+    ok &= ~np.isnan(x32)
+    if kw["saturate"] or kw["rounding"] == "stochastic":
+        return ok  # stochastic: a flat-index stream; saturating: nothing else refuses
+    for i in np.flatnonzero(ok & ~(np.abs(x32) <= fmt.max)):
+        try:
+            encode(x.reshape(-1)[i : i + 1], fmt, **kw)
+        except ValueError:
+            ok.reshape(-1)[i] = False
+    return ok
+
+
+def _check_hypothesis() -> Any:
+    try:
+        import hypothesis
+    except ImportError as exc:
+        raise ImportError(
+            f"{_HYPOTHESIS_HINT}; or pass max_examples=0 to check the fixed edge cases only"
+        ) from exc
+    return hypothesis
+
+
+def _find(strategy: Any, fails: Callable[[np.ndarray], bool], max_examples: int,
+          hypothesis_seed: int | None) -> np.ndarray | None:
+    """A (shrunk) draw of ``strategy`` on which ``fails`` is true, or None after
+    ``max_examples`` draws."""
+    hypothesis = _check_hypothesis()
+    from hypothesis.errors import NoSuchExample
+
+    settings = hypothesis.settings(
+        max_examples=max_examples, database=None, deadline=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
+    rnd = None if hypothesis_seed is None else random.Random(hypothesis_seed)
+    try:
+        return hypothesis.find(strategy, fails, settings=settings, random=rnd)
+    except NoSuchExample:
+        return None
+
+
+def _call_repr(name: str, fmt: FloatFormat, kw: dict, extra: str = "") -> str:
+    opts = ", ".join(f"{k}={v!r}" for k, v in kw.items() if v is not None)
+    return f"{name}(x, {fmt.name!r}{extra}, {opts})"
+
+
+# -- unscaled casts ---------------------------------------------------------------------------
+
+
+def _code_rows(x: np.ndarray, expected: np.ndarray, received: np.ndarray, bad: np.ndarray,
+               fmt: FloatFormat, max_report: int, product: np.ndarray | None = None) -> str:
+    flat = np.flatnonzero(bad)
+    header = ["index", "input"] + (["x * scale (float32)"] if product is not None else []) + [
+        "expected", "received"]
+    rows = []
+    xs, es, rs = x.reshape(-1), expected.reshape(-1), received.reshape(-1)
+    for i in flat[:max_report]:
+        row = [rep.index_str(int(i), x.shape), rep.describe_float(xs[i])]
+        if product is not None:
+            row.append(rep.describe_float(product.reshape(-1)[i]))
+        rows += [row + [rep.describe_code(int(es[i]), fmt), rep.describe_code(int(rs[i]), fmt)]]
+    shown = f"first {len(rows)}" if flat.size > len(rows) else "all"
+    return (f"Mismatched codes: {flat.size} of {bad.size} ({100 * flat.size / bad.size:.3g}%); "
+            f"{shown}:\n" + rep.table(header, rows))
+
+
+def assert_bitexact(
+    fn: Callable[[Any], Any],
+    fmt: FloatFormat | str,
+    *,
+    rounding: str = "rne",
+    saturate: bool = True,
+    seed: int | None = None,
+    srbits: int | None = None,
+    dtype: Any = np.float32,
+    device: str | None = None,
+    inputs: Any = None,
+    max_examples: int = 100,
+    hypothesis_seed: int | None = 0,
+    exact_nan: bool = False,
+    max_report: int = 8,
+    msg: str | Callable[[str], str] | None = None,
+) -> None:
+    """Assert that ``fn(x)`` returns ``fp8sim.encode(x, fmt, rounding=..., saturate=...)``
+    bit for bit, on the edge cases of ``fmt`` and on hypothesis draws.
+
+    ``fn`` takes an array of ``dtype`` (float32 by default; float16, float64 or bfloat16 --
+    ``ml_dtypes.bfloat16`` or ``"bfloat16"``) and returns the codes, same shape: a numpy
+    array or torch tensor of uint8 (uint16 for 16-bit formats), or of any 1- or 2-byte dtype
+    read as its bits -- so ``lambda x: x.to(torch.float8_e4m3fn)`` works as is. With
+    ``device=None`` ``fn`` gets numpy arrays; with ``device="cpu"``/``"cuda"`` torch tensors
+    on that device. Each call gets a fresh copy.
+
+    Inputs: :func:`fp8sim.backends.cases.edge_values` (every code, every tie between
+    neighbours, one float32 ulp either side of each, the overflow tie past max, the underflow
+    tie with zero, float32 subnormals and huge values, +-0, +-inf, NaN -- both signs), 256
+    random values over many binades, and ``inputs`` (an array or a list of arrays) if given,
+    then ``max_examples`` draws of :func:`fp8sim.testing.arrays` (1-D, up to 64 elements). A
+    format with no NaN (e2m1, e2m3, e3m2) leaves out what ``encode`` refuses (NaN; inf and
+    overflow unless ``saturate``). ``rounding="stochastic"`` needs ``seed`` (and ``srbits``)
+    as for ``encode``: Philox keyed by ``seed``, counter = flat element index.
+
+    A NaN code matches any NaN code (payloads carry no meaning) unless ``exact_nan``.
+    On a mismatch: AssertionError listing the count and the first ``max_report`` mismatches
+    (index, input value and bits, expected and received code in hex, sign.exponent.mantissa
+    and decoded value). ``msg``: a string put above the report, or a callable that gets the
+    report and returns the message.
+    """
+    fmt = get_format(fmt)
+    kw = dict(rounding=rounding, saturate=saturate, seed=seed, srbits=srbits)
+    call = _call_repr("fp8sim.encode", fmt, kw)
+    dtype = np.dtype(_as_dtype(np.zeros(0), dtype).dtype)
+    name = getattr(fn, "__name__", "fn")
+
+    def check(x: np.ndarray, where: str, raise_: bool = True) -> bool:
+        x = x.reshape(-1)
+        x = x[_encodable(x, fmt, kw)]
+        expected = encode(x, fmt, **kw)
+        received = _received_codes(fn(_to_input(x, device)), fmt, x.shape, name)
+        bad = _bad_codes(expected, received, fmt, exact_nan)
+        if not bad.any():
+            return False
+        if raise_:
+            report = (f"{name} is not bit-exact to {call}\non {where}.\n"
+                      + _code_rows(x, expected, received, bad, fmt, max_report))
+            raise AssertionError(rep.with_msg(report, msg))
+        return True
+
+    fixed = [edge_values(fmt), random_values(256, seed=0)]
+    if inputs is not None:
+        fixed += [np.asarray(a) for a in (inputs if isinstance(inputs, (list, tuple)) else
+                                          [inputs])]
+    x = _as_dtype(np.concatenate([np.asarray(a, np.float64).reshape(-1) for a in fixed]), dtype)
+    check(x, f"{x.size} fixed {dtype.name} inputs (the edge cases of {fmt.name}, 256 random "
+             f"values{', your inputs' if inputs is not None else ''})")
+    if max_examples > 0:
+        _check_hypothesis()
+        from hypothesis import strategies as st
+
+        strategy = arrays(fmt, st.tuples(st.integers(1, 64)), dtype=dtype)
+        found = _find(strategy, lambda a: check(a, "", raise_=False), max_examples,
+                      hypothesis_seed)
+        if found is not None:
+            check(found, f"a {dtype.name} array drawn by hypothesis (shrunk; hypothesis_seed="
+                         f"{hypothesis_seed})")
+
+
+# -- scaled casts -----------------------------------------------------------------------------
+
+
+def _case_shape(gran: Granularity) -> tuple[int, int]:
+    """A 2-D shape whose last tiles are ragged: 2 tiles less one element along each axis."""
+    if gran.kind in ("tensor", "row", "col"):
+        return 5, 37
+    r, c = gran.block
+    return (2 * r - 1 if r > 1 else 3), (2 * c - 1 if c > 1 else 5)
+
+
+def _scaled_cases(fmt: FloatFormat, gran: Granularity) -> list[tuple[str, np.ndarray]]:
+    """Named float64 inputs: random, the format's boundaries at scale 1, zeros, tiny values,
+    and random values with inf, NaN, float32 max and subnormals among them."""
+    m, n = _case_shape(gran)
+    rnd = random_values(m * n, seed=1).astype(np.float64).reshape(m, n)
+    # every boundary value of the format, with each tile's first element +-max: amax = max,
+    # so the scale is 1 (times 2**-margin) and the ties reach the cast unchanged
+    ev = edge_values(fmt).astype(np.float64)
+    ev = ev[np.abs(ev) <= fmt.max]
+    bnd = np.resize(ev, m * n).reshape(m, n)
+    r, c = gran.tile(m, n)
+    bnd[::r, ::c] = np.where(np.arange(bnd[::r, ::c].size).reshape(bnd[::r, ::c].shape) % 2,
+                             -fmt.max, fmt.max)
+    special = rnd.copy().reshape(-1)
+    picks = np.random.default_rng(2).choice(special.size, 8, replace=False)
+    special[picks] = [np.inf, -np.inf, np.nan, 3.4e38, -1e-45, 1e-40, 0.0, -0.0]
+    return [
+        ("random values over many binades", rnd),
+        (f"the boundary values of {fmt.name}, every tile holding +-max (scale 1)", bnd),
+        ("all zeros", np.zeros((m, n))),
+        ("tiny values (float32 subnormals; the scale clamps to float32 max)", rnd * 2.0**-140),
+        ("random values with inf, NaN, float32 max and subnormals", special.reshape(m, n)),
+    ]
+
+
+def _sanitize(x: np.ndarray, fmt: FloatFormat, gran: Granularity, saturate: bool) -> np.ndarray:
+    """Formats with no NaN outside MX blocks: NaN (and inf unless saturating) -> 0, the inputs
+    ``quantize_scaled`` refuses for them."""
+    if fmt.has_nan or gran.kind == "mx":
+        return x
+    bad = np.isnan(x) if saturate else ~np.isfinite(x)
+    return np.where(bad, 0, x).astype(x.dtype) if bad.any() else x
+
+
+def _received_scale(s: Any, fmt: FloatFormat, gran: Granularity, grid: tuple, what: str
+                    ) -> np.ndarray:
+    """scale_inv as float32 of the grid's size (any shape of that size; MX scales may come as
+    E8M0 codes, uint8)."""
+    arr = _as_numpy(s)
+    if gran.kind == "mx" and arr.dtype == np.uint8:
+        arr = np.where(arr == 255, np.nan, np.ldexp(1.0, arr.astype(np.int64) - 127))
+    if arr.dtype.kind != "f":
+        raise TypeError(f"{what} must return scale_inv as floats (MX: floats or E8M0 codes), "
+                        f"got {arr.dtype}")
+    size = int(np.prod(grid))
+    if arr.size != size:
+        raise AssertionError(f"{what} returned scale_inv of shape {arr.shape}; the "
+                             f"{gran.spec} scale shape is {grid} ({size} values)")
+    return np.asarray(arr, np.float32).reshape(grid)
+
+
+def _per_element(grid: np.ndarray, gran: Granularity, m: int, n: int) -> np.ndarray:
+    r, c = gran.tile(m, n)
+    g = np.asarray(grid).reshape(gran.grid2d(m, n))
+    return np.repeat(np.repeat(g, r, axis=0)[:m], c, axis=1)[:, :n]
+
+
+def assert_scaled_bitexact(
+    fn: Callable[[Any], tuple[Any, Any]],
+    fmt: FloatFormat | str,
+    granularity: str | Granularity = "tensor",
+    *,
+    margin: float = 0,
+    pow2: bool = False,
+    epsilon: float = 0.0,
+    rounding: str = "rne",
+    saturate: bool = True,
+    seed: int | None = None,
+    srbits: int | None = None,
+    dtype: Any = np.float32,
+    device: str | None = None,
+    inputs: Any = None,
+    max_examples: int = 50,
+    hypothesis_seed: int | None = 0,
+    exact_nan: bool = False,
+    max_report: int = 8,
+    msg: str | Callable[[str], str] | None = None,
+) -> None:
+    """Assert that ``fn(x) -> (codes, scale_inv)`` equals
+    ``fp8sim.scaling.quantize_scaled(x, fmt, granularity, margin=..., pow2=..., epsilon=...,
+    rounding=..., saturate=...)`` bit for bit: the scale rule (just-in-time from each group's
+    amax; the E8M0 ``floor``/``rceil`` rule for ``mx``/``mx:rceil``) and every code.
+
+    ``granularity``: ``tensor``, ``row``, ``col``, ``block:RxC``, ``mx``, ``mx:rceil``.
+    ``fn`` gets ``x`` as in :func:`assert_bitexact` (``dtype``, ``device``) and returns codes
+    of x's shape and ``scale_inv`` (the dequantization factor, ``1 / scale``): float32 values,
+    any shape holding the scale grid's values in C order (``(M, 1)``, ``(M,)`` for row; the
+    shapes are in :mod:`fp8sim.scaling`), or for MX the E8M0 codes as uint8. scale_inv is
+    compared bit for bit (any NaN matches NaN).
+
+    Inputs: 2-D arrays with ragged last tiles -- random values over many binades; every
+    boundary value of the format with each tile holding +-max (scale 1, so ties reach the
+    cast); zeros; float32 subnormals; random values with +-inf, NaN, float32 max -- plus
+    ``inputs`` if given, then ``max_examples`` draws of :func:`fp8sim.testing.arrays` of
+    1-3 dimensions. Formats with no NaN (e2m1, e2m3, e3m2) outside MX get 0 for NaN (and for
+    inf unless saturating), which ``quantize_scaled`` refuses for them.
+
+    On a mismatch: AssertionError with the case, the shape, then the scale_inv mismatches
+    (group, amax, expected, received) and the code mismatches (index, input, the float32
+    product ``x * scale`` the reference casts, expected and received code). ``msg`` as in
+    :func:`assert_bitexact`.
+    """
+    fmt = get_format(fmt)
+    gran = parse_granularity(granularity)
+    kw = dict(rounding=rounding, saturate=saturate, seed=seed, srbits=srbits)
+    skw = dict(margin=margin, pow2=pow2, epsilon=epsilon) if gran.kind != "mx" else {}
+    call = _call_repr("fp8sim.scaling.quantize_scaled", fmt, {**skw, **kw},
+                      f", {gran.spec!r}")
+    dtype = np.dtype(_as_dtype(np.zeros(0), dtype).dtype)
+    name = getattr(fn, "__name__", "fn")
+
+    def check(x: np.ndarray, where: str, raise_: bool = True) -> bool:
+        x = _sanitize(x, fmt, gran, saturate)
+        exp = quantize_scaled(x, fmt, gran, **skw, **kw)
+        out = fn(_to_input(x, device))
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(f"{name} must return (codes, scale_inv), got {type(out).__name__}")
+        grid = np.shape(exp.scale_inv)
+        got_s = _received_scale(out[1], fmt, gran, grid, name)
+        got_c = _received_codes(out[0], fmt, x.shape, name)
+        exp_s = np.asarray(exp.scale_inv, np.float32)
+        bad_s = (exp_s.view(np.uint32) != got_s.view(np.uint32)) & ~(
+            np.isnan(exp_s) & np.isnan(got_s))
+        bad_c = _bad_codes(exp.codes, got_c, fmt, exact_nan)
+        if not (bad_s.any() or bad_c.any()):
+            return False
+        if not raise_:
+            return True
+        parts = [f"{name} is not bit-exact to {call}\non {where}, {x.dtype.name} shape "
+                 f"{x.shape}."]
+        if bad_s.any():
+            rows = []
+            amax = exp.amax if exp.amax is not None else np.full(grid, np.nan, np.float32)
+            for g in np.flatnonzero(bad_s)[:max_report]:
+                at = np.unravel_index(g, grid) if grid else ()
+                rows.append([str(tuple(int(i) for i in at)),
+                             rep.describe_float(np.float32(np.asarray(amax)[at])),
+                             rep.describe_float(exp_s[at]), rep.describe_float(got_s[at])])
+            k = int(bad_s.sum())
+            parts.append(f"Mismatched scale_inv: {k} of {bad_s.size} groups:\n" + rep.table(
+                ["group", "amax (NaN ignored)", "expected scale_inv", "received"], rows))
+        if bad_c.any():
+            m, n = view2d(x.shape)
+            if gran.kind == "mx":
+                mult = np.float32(1) / exp_s
+            else:
+                mult = scale_from_amax(exp.amax, fmt, **skw)
+            mult = np.broadcast_to(_per_element(mult, gran, m, n), (m, n))
+            with np.errstate(all="ignore"):
+                prod = (np.asarray(x, np.float32).reshape(m, n) * mult).astype(np.float32)
+            parts.append(_code_rows(x, exp.codes, got_c, bad_c, fmt, max_report,
+                                    prod.reshape(x.shape)))
+        raise AssertionError(rep.with_msg("\n".join(parts), msg))
+
+    cases = _scaled_cases(fmt, gran)
+    if inputs is not None:
+        cases += [("your inputs", np.asarray(a)) for a in (
+            inputs if isinstance(inputs, (list, tuple)) else [inputs])]
+    for where, x in cases:
+        check(_as_dtype(np.asarray(x, np.float64), dtype), f"fixed case '{where}'")
+    if max_examples > 0:
+        _check_hypothesis()
+        strategy = arrays(fmt, dtype=dtype).map(lambda a: _sanitize(a, fmt, gran, saturate))
+        found = _find(strategy, lambda a: check(a, "", raise_=False), max_examples,
+                      hypothesis_seed)
+        if found is not None:
+            check(found, f"an array drawn by hypothesis (shrunk; hypothesis_seed="
+                         f"{hypothesis_seed})")
