@@ -26,13 +26,14 @@ from fp8sim.emulator import _is_torch, decode_table, encode
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import (
     Granularity,
+    mx_shared_scale,
     parse_granularity,
     quantize_scaled,
     scale_from_amax,
     view2d,
 )
 from fp8sim.testing import _report as rep
-from fp8sim.testing.strategies import _HYPOTHESIS_HINT, _as_dtype, arrays
+from fp8sim.testing.strategies import _HYPOTHESIS_HINT, _as_dtype, arrays, tie_values
 
 __all__ = ["assert_bitexact", "assert_scaled_bitexact"]
 
@@ -114,6 +115,18 @@ def _encodable(x: np.ndarray, fmt: FloatFormat, kw: dict) -> np.ndarray:
         except ValueError:
             ok.reshape(-1)[i] = False
     return ok
+
+
+def _ties_in_dtype(fmt: FloatFormat, dtype: np.dtype) -> np.ndarray:
+    """The ties of ``fmt`` and their neighbours one ulp of ``dtype`` away, in ``dtype`` (for
+    float64 inputs these lie between float32 values: a cast through float32 double-rounds
+    them; float32's own neighbours are among the edge cases already)."""
+    t = tie_values(fmt)
+    t = _as_dtype(t[np.isfinite(t)].astype(np.float64), dtype)
+    with np.errstate(all="ignore"):
+        zero, inf = np.zeros(1, dtype), np.full(1, np.inf, dtype)
+        return np.concatenate([t, np.nextafter(t, zero), np.nextafter(t, inf),
+                               np.nextafter(t, -inf)])
 
 
 def _check_hypothesis() -> Any:
@@ -231,13 +244,12 @@ def assert_bitexact(
             raise AssertionError(rep.with_msg(report, msg))
         return True
 
-    fixed = [edge_values(fmt), random_values(256, seed=0)]
-    if inputs is not None:
-        fixed += [np.asarray(a) for a in (inputs if isinstance(inputs, (list, tuple)) else
-                                          [inputs])]
-    x = _as_dtype(np.concatenate([np.asarray(a, np.float64).reshape(-1) for a in fixed]), dtype)
-    check(x, f"{x.size} fixed {dtype.name} inputs (the edge cases of {fmt.name}, 256 random "
-             f"values{', your inputs' if inputs is not None else ''})")
+    fixed = [] if inputs is None else [np.asarray(a) for a in (
+        inputs if isinstance(inputs, (list, tuple)) else [inputs])]
+    fixed += [edge_values(fmt), _ties_in_dtype(fmt, dtype), random_values(256, seed=0)]
+    x = np.concatenate([_as_dtype(np.asarray(a, np.float64).reshape(-1), dtype) for a in fixed])
+    check(x, f"{x.size} fixed {dtype.name} inputs ({'your inputs, ' if inputs is not None else ''}"
+             f"the edge cases of {fmt.name}, 256 random values)")
     if max_examples > 0:
         _check_hypothesis()
         from hypothesis import strategies as st
@@ -261,9 +273,11 @@ def _case_shape(gran: Granularity) -> tuple[int, int]:
     return (2 * r - 1 if r > 1 else 3), (2 * c - 1 if c > 1 else 5)
 
 
-def _scaled_cases(fmt: FloatFormat, gran: Granularity) -> list[tuple[str, np.ndarray]]:
-    """Named float64 inputs: random, the format's boundaries at scale 1, zeros, tiny values,
-    and random values with inf, NaN, float32 max and subnormals among them."""
+def _scaled_cases(fmt: FloatFormat, gran: Granularity, skw: dict
+                  ) -> list[tuple[str, np.ndarray]]:
+    """Named float64 inputs: random, the format's boundaries at scale 1, its ties through a
+    scale that is not a power of two, zeros, tiny values, and random values with inf, NaN,
+    float32 max and subnormals among them (``skw``: margin, pow2, epsilon)."""
     m, n = _case_shape(gran)
     rnd = random_values(m * n, seed=1).astype(np.float64).reshape(m, n)
     # every boundary value of the format, with each tile's first element +-max: amax = max,
@@ -274,12 +288,26 @@ def _scaled_cases(fmt: FloatFormat, gran: Granularity) -> list[tuple[str, np.nda
     r, c = gran.tile(m, n)
     bnd[::r, ::c] = np.where(np.arange(bnd[::r, ::c].size).reshape(bnd[::r, ::c].shape) % 2,
                              -fmt.max, fmt.max)
+    # ties of the format divided by a scale that is not a power of two, and the float32
+    # neighbours: float32(x * scale) lands on or next to the tie -- a product kept in float64
+    # (or fused into the cast) rounds these differently
+    anchor = np.float64(np.float32(3.0))
+    s = np.float32(1) / mx_shared_scale(anchor, fmt, gran.mx_rule) if gran.kind == "mx" else \
+        scale_from_amax(anchor, fmt, **skw)
+    t = tie_values(fmt)
+    t = t[np.abs(t) < fmt.max].astype(np.float32) / np.float32(s)
+    near = np.concatenate([t, np.nextafter(t, np.float32(0)), np.nextafter(t, t * 2)])
+    near = near[np.isfinite(near) & (np.abs(near) < anchor)].astype(np.float64)
+    scaled_ties = np.resize(near, m * n).reshape(m, n)
+    scaled_ties[::r, ::c] = anchor
     special = rnd.copy().reshape(-1)
     picks = np.random.default_rng(2).choice(special.size, 8, replace=False)
     special[picks] = [np.inf, -np.inf, np.nan, 3.4e38, -1e-45, 1e-40, 0.0, -0.0]
     return [
         ("random values over many binades", rnd),
         (f"the boundary values of {fmt.name}, every tile holding +-max (scale 1)", bnd),
+        ("the format's ties divided by the scale of amax 3, and their float32 neighbours",
+         scaled_ties),
         ("all zeros", np.zeros((m, n))),
         ("tiny values (float32 subnormals; the scale clamps to float32 max)", rnd * 2.0**-140),
         ("random values with inf, NaN, float32 max and subnormals", special.reshape(m, n)),
@@ -353,7 +381,8 @@ def assert_scaled_bitexact(
 
     Inputs: 2-D arrays with ragged last tiles -- random values over many binades; every
     boundary value of the format with each tile holding +-max (scale 1, so ties reach the
-    cast); zeros; float32 subnormals; random values with +-inf, NaN, float32 max -- plus
+    cast); the ties divided by the scale of amax 3 and their float32 neighbours (a product
+    not rounded to float32 before the cast shows there); zeros; float32 subnormals; random values with +-inf, NaN, float32 max -- plus
     ``inputs`` if given, then ``max_examples`` draws of :func:`fp8sim.testing.arrays` of
     1-3 dimensions. Formats with no NaN (e2m1, e2m3, e3m2) outside MX get 0 for NaN (and for
     inf unless saturating), which ``quantize_scaled`` refuses for them.
@@ -415,10 +444,10 @@ def assert_scaled_bitexact(
                                     prod.reshape(x.shape)))
         raise AssertionError(rep.with_msg("\n".join(parts), msg))
 
-    cases = _scaled_cases(fmt, gran)
+    cases = _scaled_cases(fmt, gran, skw)
     if inputs is not None:
-        cases += [("your inputs", np.asarray(a)) for a in (
-            inputs if isinstance(inputs, (list, tuple)) else [inputs])]
+        cases = [("your inputs", np.asarray(a)) for a in (
+            inputs if isinstance(inputs, (list, tuple)) else [inputs])] + cases
     for where, x in cases:
         check(_as_dtype(np.asarray(x, np.float64), dtype), f"fixed case '{where}'")
     if max_examples > 0:

@@ -12,6 +12,7 @@ value and its negation; for the unsigned E8M0 the negative ones are invalid inpu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -52,6 +53,20 @@ def _hypothesis() -> Any:
     return st
 
 
+def _per_format(build: Any) -> Any:
+    """Cache ``build(fmt)`` per format (names resolved first); arrays come back read-only."""
+    cached = functools.lru_cache(maxsize=None)(build)
+
+    @functools.wraps(build)
+    def per_format(fmt: FloatFormat | str) -> Any:
+        out = cached(get_format(fmt))
+        if isinstance(out, np.ndarray):
+            out.setflags(write=False)
+        return out
+
+    return per_format
+
+
 # -- value sets (numpy, float32, sorted by bit pattern) --------------------------------------
 
 
@@ -76,11 +91,16 @@ def _both_signs(v: np.ndarray) -> np.ndarray:
     return np.unique(both.view(np.uint32)).view(np.float32)
 
 
+@_per_format
 def representable_values(fmt: FloatFormat | str) -> np.ndarray:
-    """Every finite value of ``fmt``, both signs (0 and -0 included), as float32."""
-    return _both_signs(_magnitudes(get_format(fmt)))
+    """Every finite value of ``fmt`` as float32: both signs (and -0, which FNUZ formats encode
+    as +0) for signed formats, the positive ones for the unsigned E8M0."""
+    fmt = get_format(fmt)
+    mags = _magnitudes(fmt)
+    return _both_signs(mags) if fmt.signed else mags.astype(np.float32)
 
 
+@_per_format
 def tie_values(fmt: FloatFormat | str) -> np.ndarray:
     """The midpoint between every two neighbouring magnitudes of ``fmt``, both signs: the
     values where round-to-nearest must break a tie. Includes the tie between 0 and the smallest
@@ -93,6 +113,7 @@ def tie_values(fmt: FloatFormat | str) -> np.ndarray:
     return _both_signs(mids)
 
 
+@_per_format
 def near_tie_values(fmt: FloatFormat | str) -> np.ndarray:
     """One float32 ulp below and above every tie of :func:`tie_values`: the inputs that must
     round down and up, whatever the tie rule."""
@@ -102,6 +123,7 @@ def near_tie_values(fmt: FloatFormat | str) -> np.ndarray:
                                        np.nextafter(t, np.float32(np.inf) * np.sign(t))]))
 
 
+@_per_format
 def special_values(fmt: FloatFormat | str) -> np.ndarray:
     """The special inputs: +-0, +-inf, NaN of both signs, max and the float32 values just
     around it, twice max, float32 max, the smallest float32 normal and subnormal, 1.0."""
@@ -136,21 +158,25 @@ def _sampled(v: np.ndarray) -> Any:
     return st.sampled_from(v.tolist()).map(np.float32)
 
 
+@_per_format
 def representable(fmt: FloatFormat | str) -> Any:
     """Strategy: a finite value of ``fmt`` (:func:`representable_values`)."""
     return _sampled(representable_values(fmt))
 
 
+@_per_format
 def ties(fmt: FloatFormat | str) -> Any:
     """Strategy: a tie between two neighbouring values (:func:`tie_values`)."""
     return _sampled(tie_values(fmt))
 
 
+@_per_format
 def near_ties(fmt: FloatFormat | str) -> Any:
     """Strategy: one float32 ulp either side of a tie (:func:`near_tie_values`)."""
     return _sampled(near_tie_values(fmt))
 
 
+@_per_format
 def specials(fmt: FloatFormat | str) -> Any:
     """Strategy: a special input (:func:`special_values`): zeros, inf, NaN, max's edges."""
     return _sampled(special_values(fmt))
