@@ -1,4 +1,4 @@
-"""fp8sim.testing: the assertions pass on right casts and fail, with the right report, on wrong ones.
+"""fp8sim.testing: its assertions pass on right casts and fail, with the right report, on wrong.
 
 The right casts come from independent code (torch's and ml_dtypes' casts where ``fp8sim
 conformance`` shows they agree, a numpy software cast written here, the Triton kernels); the
@@ -419,3 +419,15 @@ def test_the_check_your_kernel_example_runs_and_prints_the_report():
     assert "my_cast is not bit-exact to fp8sim.encode(x, 'e4m3'" in text
     assert re.search(r"Mismatched codes: \d+ of \d+", text)
     assert "7.91 (float32 0x40fd1eb8)" in text
+
+
+def test_codes_of_any_integer_width_or_as_bits_are_read():
+    wide = lambda x: fp8sim.encode(x, "e4m3").astype(np.int64)  # noqa: E731
+    assert_bitexact(wide, "e4m3", max_examples=0)
+    as_ml = lambda x: fp8sim.encode(x, "e4m3").view(ml_dtypes.float8_e4m3fn)  # noqa: E731
+    assert_bitexact(as_ml, "e4m3", max_examples=0)
+    off = lambda x: fp8sim.encode(x, "e2m1").astype(np.int64) + 16  # noqa: E731
+    report = failure(assert_bitexact, off, "e2m1", max_examples=0)
+    assert "(not a code)" in report
+    with pytest.raises(TypeError, match="got bool"):
+        assert_bitexact(lambda x: x > 0, "e4m3", max_examples=0)

@@ -69,11 +69,12 @@ def _as_numpy(out: Any) -> np.ndarray:
 
 
 def _received_codes(out: Any, fmt: FloatFormat, shape: tuple, what: str) -> np.ndarray:
-    """The codes ``out`` (numpy or torch; uint8/int8/uint16/int16 or a float8/16 dtype, read as
-    its bits) as int64 of ``shape``; TypeError or AssertionError when it cannot be codes."""
+    """The codes ``out`` (numpy or torch) as int64 of ``shape``: integers as they are; any other
+    1- or 2-byte dtype (float8, float16, bfloat16, ml_dtypes types) read as its bits.
+    TypeError or AssertionError when it cannot be codes."""
     arr = _as_numpy(out)
     size = arr.dtype.itemsize
-    if arr.dtype.kind == "f" and size > 2 or size > 4 or arr.dtype.kind == "b":
+    if arr.dtype.kind == "b" or size > 2 and arr.dtype.kind not in "ui":
         raise TypeError(
             f"{what} must return codes (uint8, or uint16 for 16-bit formats; torch float8 "
             f"tensors are read as their bits), got {arr.dtype} -- to compare values, not codes, "
@@ -209,14 +210,17 @@ def assert_bitexact(
     ``device=None`` ``fn`` gets numpy arrays; with ``device="cpu"``/``"cuda"`` torch tensors
     on that device. Each call gets a fresh copy.
 
-    Inputs: :func:`fp8sim.backends.cases.edge_values` (every code, every tie between
-    neighbours, one float32 ulp either side of each, the overflow tie past max, the underflow
-    tie with zero, float32 subnormals and huge values, +-0, +-inf, NaN -- both signs), 256
-    random values over many binades, and ``inputs`` (an array or a list of arrays) if given,
-    then ``max_examples`` draws of :func:`fp8sim.testing.arrays` (1-D, up to 64 elements). A
-    format with no NaN (e2m1, e2m3, e3m2) leaves out what ``encode`` refuses (NaN; inf and
-    overflow unless ``saturate``). ``rounding="stochastic"`` needs ``seed`` (and ``srbits``)
-    as for ``encode``: Philox keyed by ``seed``, counter = flat element index.
+    Inputs, flattened to 1-D: ``inputs`` (an array or a list of arrays) if given, first, so
+    its mismatches head the report; :func:`fp8sim.backends.cases.edge_values` (every code,
+    every tie between neighbours, one float32 ulp either side of each, the overflow tie past
+    max, the underflow tie with zero, float32 subnormals and huge values, +-0, +-inf, NaN --
+    both signs); the ties and their neighbours one ulp of ``dtype`` away (float64: between
+    float32 values, where a cast through float32 double-rounds); 256 random values over many
+    binades. Then ``max_examples`` draws of :func:`fp8sim.testing.arrays` (1-D, up to 64
+    elements). A format with no NaN (e2m1, e2m3, e3m2) leaves out what ``encode`` refuses
+    (NaN; inf and overflow unless ``saturate``). ``rounding="stochastic"`` needs ``seed``
+    (and ``srbits``) as for ``encode``: Philox keyed by ``seed``, counter = flat element
+    index.
 
     A NaN code matches any NaN code (payloads carry no meaning) unless ``exact_nan``.
     On a mismatch: AssertionError listing the count and the first ``max_report`` mismatches
@@ -382,10 +386,11 @@ def assert_scaled_bitexact(
     Inputs: 2-D arrays with ragged last tiles -- random values over many binades; every
     boundary value of the format with each tile holding +-max (scale 1, so ties reach the
     cast); the ties divided by the scale of amax 3 and their float32 neighbours (a product
-    not rounded to float32 before the cast shows there); zeros; float32 subnormals; random values with +-inf, NaN, float32 max -- plus
-    ``inputs`` if given, then ``max_examples`` draws of :func:`fp8sim.testing.arrays` of
-    1-3 dimensions. Formats with no NaN (e2m1, e2m3, e3m2) outside MX get 0 for NaN (and for
-    inf unless saturating), which ``quantize_scaled`` refuses for them.
+    not rounded to float32 before the cast shows there); zeros; float32 subnormals; random
+    values with +-inf, NaN, float32 max -- after ``inputs`` if given; then ``max_examples``
+    draws of :func:`fp8sim.testing.arrays` of 1-3 dimensions. Formats with no NaN (e2m1,
+    e2m3, e3m2) outside MX get 0 for NaN (and for inf unless saturating), which
+    ``quantize_scaled`` refuses for them.
 
     On a mismatch: AssertionError with the case, the shape, then the scale_inv mismatches
     (group, amax, expected, received) and the code mismatches (index, input, the float32
