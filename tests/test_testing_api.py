@@ -431,3 +431,32 @@ def test_codes_of_any_integer_width_or_as_bits_are_read():
     assert "(not a code)" in report
     with pytest.raises(TypeError, match="got bool"):
         assert_bitexact(lambda x: x > 0, "e4m3", max_examples=0)
+
+
+def test_tritons_own_cast_loses_the_carry_in_the_interpreter():
+    """The trap DESIGN.md names: ``x.to(tl.float8e4nv)`` on Triton's CPU interpreter turns
+    7.91 into 4.0. On a GPU (sm_89+: round to nearest even, saturating) it must pass."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def _to_e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # one block of elements
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        tl.store(out_ptr + offs, x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+
+    def triton_cast(x):
+        out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        _to_e4m3_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+        return out
+
+    if torch.cuda.is_available():
+        assert_bitexact(triton_cast, "e4m3", device="cuda", max_examples=FEW)
+        return
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    report = failure(assert_bitexact, triton_cast, "e4m3", device="cpu",
+                     inputs=np.float32([7.91]), max_examples=0)
+    first = next(line for line in report.splitlines() if line.startswith("  ["))
+    assert first.split()[:4] == ["[0]", "7.91", "(float32", "0x40fd1eb8)"]
+    assert "0x50 0.1010.000 = 8" in first and "0x48 0.1001.000 = 4" in first
