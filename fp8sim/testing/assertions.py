@@ -365,6 +365,7 @@ def assert_scaled_bitexact(
     dtype: Any = np.float32,
     device: str | None = None,
     inputs: Any = None,
+    shape: Any = None,
     max_examples: int = 50,
     hypothesis_seed: int | None = 0,
     exact_nan: bool = False,
@@ -388,7 +389,8 @@ def assert_scaled_bitexact(
     cast); the ties divided by the scale of amax 3 and their float32 neighbours (a product
     not rounded to float32 before the cast shows there); zeros; float32 subnormals; random
     values with +-inf, NaN, float32 max -- after ``inputs`` if given; then ``max_examples``
-    draws of :func:`fp8sim.testing.arrays` of 1-3 dimensions. Formats with no NaN (e2m1,
+    draws of :func:`fp8sim.testing.arrays` of ``shape`` (a tuple or a hypothesis strategy of
+    tuples; default 1-3 dimensions of 1-40 -- give 2-D shapes for a 2-D-only kernel). Formats with no NaN (e2m1,
     e2m3, e3m2) outside MX get 0 for NaN (and for inf unless saturating), which
     ``quantize_scaled`` refuses for them.
 
@@ -457,7 +459,8 @@ def assert_scaled_bitexact(
         check(_as_dtype(np.asarray(x, np.float64), dtype), f"fixed case '{where}'")
     if max_examples > 0:
         _check_hypothesis()
-        strategy = arrays(fmt, dtype=dtype).map(lambda a: _sanitize(a, fmt, gran, saturate))
+        strategy = arrays(fmt, shape, dtype=dtype).map(
+            lambda a: _sanitize(a, fmt, gran, saturate))
         found = _find(strategy, lambda a: check(a, "", raise_=False), max_examples,
                       hypothesis_seed)
         if found is not None:
