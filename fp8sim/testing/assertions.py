@@ -141,11 +141,11 @@ def _check_hypothesis() -> Any:
 
 
 def _find(strategy: Any, fails: Callable[[np.ndarray], bool], max_examples: int,
-          hypothesis_seed: int | None) -> np.ndarray | None:
+          hypothesis_seed: int | None, name: str) -> np.ndarray | None:
     """A (shrunk) draw of ``strategy`` on which ``fails`` is true, or None after
     ``max_examples`` draws."""
     hypothesis = _check_hypothesis()
-    from hypothesis.errors import NoSuchExample
+    from hypothesis.errors import Flaky, NoSuchExample
 
     settings = hypothesis.settings(
         max_examples=max_examples, database=None, deadline=None,
@@ -156,6 +156,14 @@ def _find(strategy: Any, fails: Callable[[np.ndarray], bool], max_examples: int,
         return hypothesis.find(strategy, fails, settings=settings, random=rnd)
     except NoSuchExample:
         return None
+    except Flaky:  # wrong once, right when hypothesis called it again on the same draw
+        _not_deterministic(name)
+
+
+def _not_deterministic(name: str) -> None:
+    """The search found an input ``name`` got wrong, but the rerun on it agreed."""
+    raise AssertionError(f"{name} gave a wrong result on an array drawn by hypothesis but the "
+                         "right one when called again on it: its results are not deterministic")
 
 
 def _call_repr(name: str, fmt: FloatFormat, kw: dict, extra: str = "") -> str:
@@ -260,10 +268,11 @@ def assert_bitexact(
 
         strategy = arrays(fmt, st.tuples(st.integers(1, 64)), dtype=dtype)
         found = _find(strategy, lambda a: check(a, "", raise_=False), max_examples,
-                      hypothesis_seed)
+                      hypothesis_seed, name)
         if found is not None:
             check(found, f"a {dtype.name} array drawn by hypothesis (shrunk; hypothesis_seed="
                          f"{hypothesis_seed})")
+            _not_deterministic(name)
 
 
 # -- scaled casts -----------------------------------------------------------------------------
@@ -462,7 +471,8 @@ def assert_scaled_bitexact(
         strategy = arrays(fmt, shape, dtype=dtype).map(
             lambda a: _sanitize(a, fmt, gran, saturate))
         found = _find(strategy, lambda a: check(a, "", raise_=False), max_examples,
-                      hypothesis_seed)
+                      hypothesis_seed, name)
         if found is not None:
             check(found, f"an array drawn by hypothesis (shrunk; hypothesis_seed="
                          f"{hypothesis_seed})")
+            _not_deterministic(name)
