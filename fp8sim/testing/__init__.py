@@ -20,7 +20,8 @@ hypothesis is optional (``pip install hypothesis``): without it the strategies r
 ImportError, and the assertions check the fixed edge cases only when ``max_examples=0``.
 """
 
-from fp8sim.testing.assertions import assert_bitexact, assert_scaled_bitexact
+from fp8sim.testing.assertions import assert_bitexact
+from fp8sim.testing.scaled import assert_scaled_bitexact
 from fp8sim.testing.strategies import (
     arrays,
     boundary_values,
