@@ -156,9 +156,9 @@ def assert_scaled_bitexact(
     not rounded to float32 before the cast shows there); zeros; float32 subnormals; random
     values with +-inf, NaN, float32 max -- after ``inputs`` if given; then ``max_examples``
     draws of :func:`fp8sim.testing.arrays` of ``shape`` (a tuple or a hypothesis strategy of
-    tuples; default 1-3 dimensions of 1-40 -- give 2-D shapes for a 2-D-only kernel). Formats with no NaN (e2m1,
-    e2m3, e3m2) outside MX get 0 for NaN (and for inf unless saturating), which
-    ``quantize_scaled`` refuses for them.
+    tuples; default 1-3 dimensions of 1-40 -- give 2-D shapes for a 2-D-only kernel).
+    Formats with no NaN (e2m1, e2m3, e3m2) outside MX get 0 for NaN (and for inf unless
+    saturating), which ``quantize_scaled`` refuses for them.
 
     On a mismatch: AssertionError with the case, the shape, then the scale_inv mismatches
     (group, amax, expected, received) and the code mismatches (index, input, the float32
