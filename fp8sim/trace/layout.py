@@ -18,10 +18,11 @@ amax, scale, overflow, underflow``, plus a sparse histogram per row (``hist_offs
 
 Scale convention: ``scale`` is the multiplier applied before the cast, as in
 ``fp8sim.scaling``: ``codes = encode(float32(float32(x) * float32(scale)))`` -- the input taken
-to float32, the product rounded once to float32, as a GPU kernel does. ``overflow`` counts finite values whose scaled magnitude rounds above ``fmt.max``
-(whatever the saturation rule then does with them); ``underflow`` counts nonzero values that
-round to zero. Both follow the trace's ``rounding`` (``rne`` by default; ``rna`` and ``rtz`` are
-also understood) unless the recorder passed measured counts.
+to float32, the product rounded once to float32, as a GPU kernel does. ``overflow`` counts
+finite values whose scaled magnitude rounds above ``fmt.max`` (whatever the saturation rule then
+does with them); ``underflow`` counts nonzero values that round to zero. Both follow the trace's
+``rounding`` (``rne`` by default; ``rna`` and ``rtz`` are also understood) unless the recorder
+passed measured counts.
 
 The histogram of |x| and why its counts are exact: see :mod:`fp8sim.trace.histogram`.
 """
@@ -77,7 +78,7 @@ TENSOR_RE = re.compile(r"^(\d{8})-(\d{5})\.safetensors$")
 
 
 def chunk_file_name(seq: int, first_step: int, last_step: int) -> str:
-    """The name of chunk ``seq`` holding steps ``first_step..last_step`` (matches :data:`CHUNK_RE`)."""
+    """The name of chunk ``seq`` holding steps ``first_step..last_step`` (:data:`CHUNK_RE`)."""
     return f"chunk-{seq:06d}-s{first_step:08d}-{last_step:08d}.npz"
 
 
