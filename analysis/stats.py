@@ -54,7 +54,7 @@ from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import Granularity, mx_shared_scale, parse_granularity, scale_from_amax
 from fp8sim.scaling import scaled_format_max, view2d
 from fp8sim.analysis.stats_kernels import _HIGH_EXP, N_LOG2, _pass_a, _pass_b, _parts, _whole_tensor
-from fp8sim.abs_histogram import EXPONENT_MAX, EXPONENT_MIN
+from fp8sim.trace import EXPONENT_MAX, EXPONENT_MIN
 
 __all__ = [
     "Variant",

@@ -27,7 +27,7 @@ from fp8sim.analysis.stats_full import _cast_full, _cast_full_pair, _cast_thresh
 from fp8sim._bitcast import bits_f32
 from fp8sim._jit import PARALLEL_MIN_ELEMENTS, jit_kernel, jit_serial, serial_twin
 from fp8sim.scaling import scale_multiplier
-from fp8sim.abs_histogram import EXPONENT_MIN
+from fp8sim.trace import EXPONENT_MIN
 
 __all__ = ["N_LOG2", "_HIGH_EXP", "_pass_a", "_pass_b", "_parts"]
 

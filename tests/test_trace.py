@@ -398,7 +398,7 @@ def test_interrupted_truncation_leaves_no_duplicate_steps(tmp_path):
     the other."""
     import shutil
 
-    from fp8sim.trace_truncate import truncate_trace
+    from fp8sim.trace import truncate_trace
 
     t = tmp_path / "t"
     with TraceWriter(t, chunk_steps=3) as tw:

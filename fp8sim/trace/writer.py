@@ -1,154 +1,49 @@
-"""The fp8sim trace format: per-step tensor statistics of a run, written by the training recorder
-and read by ``analysis`` (neither imports the other; both import this module).
-
-A trace is a directory::
-
-    trace.json                                  schema, run config, tensor catalogue
-    chunks/chunk-000000-s00000000-00000049.npz  per-step scalars + histograms, whole steps only
-    tensors/00000100-00003.safetensors          optional full tensor (step 100, tensor #3)
-
-``trace.json``: ``{"schema": "fp8sim-trace", "version": 1, "config": {...run config...},
-"rounding": "rne", "chunk_steps": N, "hist": {"mantissa_bits": k, "exponent_min": -150,
-"exponent_max": 128}, "formats": [names], "tensors": [{"name", "role", "format", "shape"}]}``.
-Roles: :data:`ROLES`.
-
-Each chunk holds one row per (step, tensor) record, columnar (see :data:`SCALAR_COLUMNS`):
-``step, tensor`` (catalogue index), ``format`` (index into ``formats``), ``numel, zero, nan, inf,
-amax, scale, overflow, underflow``, plus a sparse histogram per row (``hist_offsets`` into
-``hist_bins`` / ``hist_counts``).
-
-Scale convention: ``scale`` is the multiplier applied before the cast, as in
-``fp8sim.scaling``: ``codes = encode(float32(float32(x) * float32(scale)))`` -- the input taken
-to float32, the product rounded once to float32, as a GPU kernel does. ``overflow`` counts finite values whose scaled magnitude rounds above ``fmt.max``
-(whatever the saturation rule then does with them); ``underflow`` counts nonzero values that
-round to zero. Both follow the trace's ``rounding`` (``rne`` by default; ``rna`` and ``rtz`` are
-also understood) unless the recorder passed measured counts.
-
-The histogram of |x| and why its counts are exact: see :mod:`fp8sim.abs_histogram`.
+"""Writing a trace: :class:`TraceWriter` (the layout it writes: :mod:`fp8sim.trace.layout`).
 
 Atomicity: every file is written to a temporary name in the same directory, fsync'ed and moved
 into place with ``os.replace``. A chunk contains whole steps only and a step never spans two
 chunks, so a reader never sees half a step; ``trace.json`` is updated before a chunk that needs a
 new catalogue entry. An interrupted writer loses only steps not yet flushed; a resumed run cuts
 the trace back to its checkpoint step (:meth:`TraceWriter.truncate_after`).
-
-Modules: the format and the writer here; :class:`TraceReader` in :mod:`fp8sim.trace_reader`
-(also reachable as ``fp8sim.trace.TraceReader``); cutting back in :mod:`fp8sim.trace_truncate`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from fp8sim.abs_histogram import (
+from fp8sim.atomic_file import atomic_write
+from fp8sim.formats import FloatFormat, get_format
+from fp8sim.trace.histogram import (
     COUNT_ROUNDINGS,
     DEFAULT_HIST_MANTISSA_BITS,
     EXPONENT_MAX,
     EXPONENT_MIN,
-    AbsHistogram,
-    _check_k,
-    _histogram_and_counts,
-    abs_histogram,
-    cast_thresholds,
+    check_mantissa_bits,
+    histogram_and_counts,
 )
-from fp8sim.atomic_file import atomic_write as _atomic_write
-from fp8sim.formats import FloatFormat, get_format
+from fp8sim.trace.layout import (
+    CHUNK_DIR,
+    COLUMN_DTYPES,
+    ROLES,
+    SCALAR_COLUMNS,
+    SCHEMA,
+    TENSOR_DIR,
+    TRACE_JSON,
+    VERSION,
+    chunk_file_name,
+    is_trace,
+    list_chunks,
+    tensor_file_name,
+)
+from fp8sim.trace.truncate import truncate_trace
 
-__all__ = [
-    "TraceWriter",
-    "TensorInfo",
-    "TraceRecord",
-    "AbsHistogram",
-    "abs_histogram",
-    "cast_thresholds",
-    "is_trace",
-    "ROLES",
-    "SCALAR_COLUMNS",
-    "SCHEMA",
-    "VERSION",
-    "EXPONENT_MIN",
-    "EXPONENT_MAX",
-    "DEFAULT_HIST_MANTISSA_BITS",
-    "COUNT_ROUNDINGS",
-]
-
-SCHEMA = "fp8sim-trace"
-VERSION = 1
-#: what a tensor is for; the analysis groups and colours by it
-ROLES = ("activation", "weight", "grad_output", "weight_grad", "optimizer_state")
-#: per-record columns of a chunk (besides the histogram arrays)
-SCALAR_COLUMNS = (
-    "step", "tensor", "format", "numel", "zero", "nan", "inf",
-    "amax", "scale", "overflow", "underflow",
-)  # fmt: skip
-
-_TRACE_JSON = "trace.json"
-_CHUNK_DIR = "chunks"
-_TENSOR_DIR = "tensors"
-_CHUNK_RE = re.compile(r"^chunk-(\d{6})-s(\d+)-(\d+)\.npz$")
-_TENSOR_RE = re.compile(r"^(\d{8})-(\d{5})\.safetensors$")
-
-
-# ------------------------------------------------------------------------------------------
-# files
-# ------------------------------------------------------------------------------------------
-def is_trace(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a trace directory: its trace.json is a JSON object of this schema
-    (a trace.json of something else, a profiler's say, is not). Raises ValueError for a
-    trace.json that names this schema but does not parse: a damaged trace, which must not pass
-    for a folder of other files."""
-    p = Path(path) / _TRACE_JSON
-    if not p.is_file():
-        return False
-    try:
-        text = p.read_bytes().decode("utf-8", errors="replace")
-    except OSError:
-        return False
-    try:
-        meta = json.loads(text)
-    except ValueError:
-        if SCHEMA in text:
-            raise ValueError(f"{p}: corrupt trace.json (names the {SCHEMA} schema but is not "
-                             "valid JSON)") from None  # fmt: skip
-        return False
-    return isinstance(meta, dict) and meta.get("schema") == SCHEMA
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One catalogue entry: ``name``, ``role`` (:data:`ROLES`), ``format`` name, ``shape``."""
-
-    name: str
-    role: str
-    format: str
-    shape: tuple[int, ...]
-    index: int = -1
-
-
-@dataclass
-class TraceRecord:
-    """One tensor at one step, as read back (scale: multiplier before the cast)."""
-
-    step: int
-    name: str
-    format: str
-    numel: int
-    zero: int
-    nan: int
-    inf: int
-    amax: float
-    scale: float
-    overflow: int
-    underflow: int
-    hist: AbsHistogram
+__all__ = ["TraceWriter"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -198,7 +93,7 @@ class TraceWriter:
             raise ValueError(f"mode must be 'w' or 'a', got {mode!r}")
         if not (isinstance(chunk_steps, int) and chunk_steps >= 1):
             raise ValueError(f"chunk_steps must be an int >= 1, got {chunk_steps!r}")
-        _check_k(hist_mantissa_bits)
+        check_mantissa_bits(hist_mantissa_bits)
         if rounding not in COUNT_ROUNDINGS:
             raise ValueError(f"rounding must be one of {COUNT_ROUNDINGS}, got {rounding!r}")
         self._buf: list[dict[str, Any]] = []
@@ -206,22 +101,22 @@ class TraceWriter:
         self._last_flushed_step: int | None = None
         self._closed = False
         if mode == "a" and is_trace(self.path):
-            meta = json.loads((self.path / _TRACE_JSON).read_text())
+            meta = json.loads((self.path / TRACE_JSON).read_text())
             if meta.get("version") != VERSION:
                 raise ValueError(f"{self.path}: trace version {meta.get('version')} != {VERSION}")
             self._meta = meta
-            chunks = _list_chunks(self.path)
+            chunks = list_chunks(self.path)
             self._seq = chunks[-1][0] + 1 if chunks else 0
             self._last_flushed_step = max((c[2] for c in chunks), default=None)
             if config is not None:
                 self._meta.setdefault("resumes", []).append(_json_ready(dict(config)))
         else:
-            if (self.path / _TRACE_JSON).exists() and not overwrite:
+            if (self.path / TRACE_JSON).exists() and not overwrite:
                 raise ValueError(
                     f"{self.path} already holds a trace; use mode='a' to append or overwrite=True"
                 )
             if overwrite and self.path.exists():
-                for sub in (_CHUNK_DIR, _TENSOR_DIR):
+                for sub in (CHUNK_DIR, TENSOR_DIR):
                     for f in (self.path / sub).glob("*"):
                         f.unlink()
             self._meta = {
@@ -326,7 +221,7 @@ class TraceWriter:
                              f"got {scale}")  # fmt: skip
         if amax is not None and float(amax) < 0:  # NaN and inf are what a policy may see
             raise ValueError(f"{name!r} step {step}: amax must be >= 0 (or NaN/inf), got {amax}")
-        r = _histogram_and_counts(x, fmt_obj, scale_f, self.rounding, self.hist_mantissa_bits)
+        r = histogram_and_counts(x, fmt_obj, scale_f, self.rounding, self.hist_mantissa_bits)
         if not self._buf_steps or self._buf_steps[-1] != step:
             self._complete_steps_ready()  # the previous step is now complete
             self._buf_steps.append(step)
@@ -365,15 +260,13 @@ class TraceWriter:
             else:
                 t = torch.from_numpy(a.copy())
         data = save({name: t}, metadata={"step": str(int(step)), "name": name})
-        path = self.path / _TENSOR_DIR / f"{int(step):08d}-{tid:05d}.safetensors"
-        _atomic_write(path, lambda f: f.write(data))
+        path = self.path / TENSOR_DIR / tensor_file_name(step, tid)
+        atomic_write(path, lambda f: f.write(data))
         return path
 
     def truncate_after(self, step: int) -> None:
         """Forget every stored record and saved tensor of a step after ``step`` (a resumed run
-        records those steps again); see :mod:`fp8sim.trace_truncate`."""
-        from fp8sim.trace_truncate import truncate_trace
-
+        records those steps again); see :mod:`fp8sim.trace.truncate`."""
         self._check_open()
         self._buf = [r for r in self._buf if r["step"] <= step]
         self._buf_steps = [s for s in self._buf_steps if s <= step]
@@ -413,32 +306,26 @@ class TraceWriter:
     def _write_meta(self) -> None:
         if self._meta_dirty:
             text = json.dumps(self._meta, indent=1)
-            _atomic_write(self.path / _TRACE_JSON, lambda f: f.write(text.encode()))
+            atomic_write(self.path / TRACE_JSON, lambda f: f.write(text.encode()))
             self._meta_dirty = False
 
     def _write_chunk(self) -> None:
         self._write_meta()  # the catalogue first: a reader never sees a chunk it cannot name
         rows = self._buf
         cols: dict[str, np.ndarray] = {}
-        for c, dt in zip(SCALAR_COLUMNS, _COLUMN_DTYPES):
+        for c, dt in zip(SCALAR_COLUMNS, COLUMN_DTYPES):
             cols[c] = np.array([r[c] for r in rows], dtype=dt)
         sizes = np.array([r["bins"].size for r in rows], dtype=np.int64)
         cols["hist_offsets"] = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         cols["hist_bins"] = np.concatenate([r["bins"] for r in rows] + [np.zeros(0, np.uint32)])
         cols["hist_counts"] = np.concatenate([r["counts"] for r in rows] + [np.zeros(0, np.int64)])
         first, last = self._buf_steps[0], self._buf_steps[-1]
-        name = f"chunk-{self._seq:06d}-s{first:08d}-{last:08d}.npz"
-        _atomic_write(self.path / _CHUNK_DIR / name, lambda f: np.savez_compressed(f, **cols))
+        name = chunk_file_name(self._seq, first, last)
+        atomic_write(self.path / CHUNK_DIR / name, lambda f: np.savez_compressed(f, **cols))
         self._seq += 1
         self._last_flushed_step = last
         self._buf = []
         self._buf_steps = []
-
-
-_COLUMN_DTYPES = (
-    np.int64, np.int32, np.int16, np.int64, np.int64, np.int64, np.int64,
-    np.float64, np.float64, np.int64, np.int64,
-)  # fmt: skip
 
 
 def _json_ready(d: dict) -> dict:
@@ -447,28 +334,3 @@ def _json_ready(d: dict) -> dict:
     except TypeError as exc:
         raise TypeError(f"trace config must be JSON-serializable: {exc}") from None
     return d
-
-
-def _list_chunks(path: Path) -> list[tuple[int, int, int, Path]]:
-    """(seq, first_step, last_step, path) of every complete chunk file, by seq. Two files of one
-    seq exist only when a truncation (:mod:`fp8sim.trace_truncate`) was interrupted between
-    writing the shortened chunk and removing the old one: the shorter one counts."""
-    best: dict[int, tuple[int, int, int, Path]] = {}
-    d = path / _CHUNK_DIR
-    if d.is_dir():
-        for f in d.iterdir():
-            m = _CHUNK_RE.match(f.name)
-            if m:
-                c = (int(m.group(1)), int(m.group(2)), int(m.group(3)), f)
-                if c[0] not in best or c[2] < best[c[0]][2]:
-                    best[c[0]] = c
-    return sorted(best.values())
-
-
-def __getattr__(name: str) -> Any:
-    # the reader lives in its own module, which imports the format's constants from here
-    if name == "TraceReader":
-        from fp8sim.trace_reader import TraceReader
-
-        return TraceReader
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

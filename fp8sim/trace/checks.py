@@ -21,15 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
+from fp8sim.formats import get_format
+from fp8sim.trace.histogram import COUNT_ROUNDINGS
+
 __all__ = ["check_catalogue", "check_chunk_sequence", "check_chunk_values"]
 
 
 def check_catalogue(rounding: str, formats: list[str], tensors: list) -> None:
     """ValueError unless trace.json's rounding is one a writer takes, its formats are known and
     its tensor names are distinct (a second entry of a name would be merged away silently)."""
-    from fp8sim.abs_histogram import COUNT_ROUNDINGS
-    from fp8sim.formats import get_format
-
     if rounding not in COUNT_ROUNDINGS:
         raise ValueError(f"rounding {rounding!r} is not one of {', '.join(COUNT_ROUNDINGS)}")
     for f in formats + [t.format for t in tensors]:
@@ -42,7 +42,7 @@ def check_catalogue(rounding: str, formats: list[str], tensors: list) -> None:
 
 def check_chunk_sequence(trace: Path, chunks: list[tuple[int, int, int, Path]]) -> None:
     """ValueError naming ``trace`` if a chunk is missing or the chunks' steps do not ascend.
-    ``chunks``: (seq, first step, last step, path) by seq (``fp8sim.trace._list_chunks``)."""
+    ``chunks``: (seq, first step, last step, path) by seq (:func:`fp8sim.trace.layout.list_chunks`)."""
     for i, (seq, first, last, f) in enumerate(chunks):
         if seq != i:
             raise ValueError(

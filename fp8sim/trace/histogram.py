@@ -50,6 +50,10 @@ __all__ = [
     "EXPONENT_MAX",
     "DEFAULT_HIST_MANTISSA_BITS",
     "COUNT_ROUNDINGS",
+    "HistogramCounts",
+    "histogram_and_counts",
+    "check_mantissa_bits",
+    "num_bins",
 ]
 
 #: the histogram's binades: EXPONENT_MIN is the "nonzero, float32(|x|) == 0" sentinel (float32's
@@ -129,7 +133,8 @@ def cast_thresholds(fmt: str | FloatFormat, rounding: str = "rne") -> CastThresh
 # ------------------------------------------------------------------------------------------
 # one-pass histogram kernel
 # ------------------------------------------------------------------------------------------
-def _n_bins(k: int) -> int:
+def num_bins(k: int) -> int:
+    """The number of bin ids of a histogram keeping ``k`` mantissa bits (ids are ``0..n-1``)."""
     return (EXPONENT_MAX - EXPONENT_MIN + 1) << (k + 1)
 
 
@@ -205,7 +210,9 @@ def _as_float_array(x: Any, what: str = "x") -> np.ndarray:
 
 
 @dataclass
-class _HistResult:
+class HistogramCounts:
+    """What one pass over a tensor gives: its sparse |x| histogram and its counts."""
+
     bins: np.ndarray  # uint32, sorted
     counts: np.ndarray  # int64
     numel: int
@@ -217,20 +224,24 @@ class _HistResult:
     amax: float  # max finite |x| (0.0 if none)
 
 
-def _histogram_and_counts(
+def histogram_and_counts(
     x: Any, fmt: FloatFormat, scale: float, rounding: str, k: int
-) -> _HistResult:
+) -> HistogramCounts:
+    """One numba pass over ``x``: the histogram of |x| keeping ``k`` mantissa bits, the zero /
+    NaN / inf counts, max finite |x|, and the overflow/underflow counts of
+    ``encode(float32(float32(x) * float32(scale)))`` in ``fmt`` under ``rounding`` (one of
+    :data:`COUNT_ROUNDINGS`)."""
     a = _as_float_array(x)
     thr = cast_thresholds(fmt, rounding)
     n_parts = max(1, min(numba.get_num_threads(), a.size // (1 << 16)))
     hist, stats, amax = _abs_hist_kernel(
         a, float(np.float32(scale)), thr.overflow_at, thr.overflow_tie,
-        thr.underflow_at, thr.underflow_tie, k, _n_bins(k), n_parts,
+        thr.underflow_at, thr.underflow_tie, k, num_bins(k), n_parts,
     )  # fmt: skip
     dense = hist.sum(axis=0)
     nz = np.flatnonzero(dense)
     s = stats.sum(axis=0)
-    return _HistResult(
+    return HistogramCounts(
         nz.astype(np.uint32), dense[nz], int(a.size), int(s[0]), int(s[1]), int(s[2]),
         int(s[3]), int(s[4]), float(amax.max()) if amax.size else 0.0,
     )  # fmt: skip
@@ -461,11 +472,12 @@ def _pow2_exponent(scale: float) -> int | None:
 
 def abs_histogram(x: Any, mantissa_bits: int = DEFAULT_HIST_MANTISSA_BITS) -> AbsHistogram:
     """The trace histogram of a numpy array or torch tensor (one numba pass)."""
-    _check_k(mantissa_bits)
-    r = _histogram_and_counts(x, get_format("e4m3"), 1.0, "rne", mantissa_bits)
+    check_mantissa_bits(mantissa_bits)
+    r = histogram_and_counts(x, get_format("e4m3"), 1.0, "rne", mantissa_bits)
     return AbsHistogram(r.bins, r.counts, mantissa_bits, zero=r.zero, nan=r.nan, inf=r.inf)
 
 
-def _check_k(k: int) -> None:
+def check_mantissa_bits(k: int) -> None:
+    """ValueError unless ``k``, the mantissa bits a histogram keeps, is an int in 0..10."""
     if not (isinstance(k, (int, np.integer)) and 0 <= k <= 10):
         raise ValueError(f"hist_mantissa_bits must be an int in 0..10, got {k!r}")

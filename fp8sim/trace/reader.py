@@ -1,32 +1,62 @@
-"""Reading fp8sim traces: :class:`TraceReader` (the format is defined in :mod:`fp8sim.trace`,
-which re-exports this class; import it from there)."""
+"""Reading a trace: :class:`TraceReader`, and the records it returns (the layout it reads:
+:mod:`fp8sim.trace.layout`; what it checks: :mod:`fp8sim.trace.checks`)."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from fp8sim.abs_histogram import AbsHistogram, _n_bins
-from fp8sim.trace import (
-    _CHUNK_RE,
-    _COLUMN_DTYPES,
-    _TENSOR_DIR,
-    _TENSOR_RE,
-    _TRACE_JSON,
+from fp8sim.trace.checks import check_catalogue, check_chunk_sequence, check_chunk_values
+from fp8sim.trace.histogram import AbsHistogram, num_bins
+from fp8sim.trace.layout import (
+    CHUNK_RE,
+    COLUMN_DTYPES,
     SCALAR_COLUMNS,
     SCHEMA,
+    TENSOR_DIR,
+    TENSOR_RE,
+    TRACE_JSON,
     VERSION,
-    TensorInfo,
-    TraceRecord,
-    _list_chunks,
+    list_chunks,
+    tensor_file_name,
 )
-from fp8sim.trace_checks import check_catalogue, check_chunk_sequence, check_chunk_values
 
-__all__ = ["TraceReader"]
+__all__ = ["TraceReader", "TensorInfo", "TraceRecord"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One catalogue entry: ``name``, ``role`` (:data:`fp8sim.trace.layout.ROLES`), ``format``
+    name, ``shape``, ``index`` (its position in the catalogue)."""
+
+    name: str
+    role: str
+    format: str
+    shape: tuple[int, ...]
+    index: int = -1
+
+
+@dataclass
+class TraceRecord:
+    """One tensor at one step, as read back (scale: multiplier before the cast)."""
+
+    step: int
+    name: str
+    format: str
+    numel: int
+    zero: int
+    nan: int
+    inf: int
+    amax: float
+    scale: float
+    overflow: int
+    underflow: int
+    hist: AbsHistogram
 
 
 class TraceReader:
@@ -45,9 +75,9 @@ class TraceReader:
         """Re-scan: pick up chunks written since the reader was opened."""
         # chunks first, then trace.json: the writer updates trace.json before a chunk, so every
         # chunk listed here is named by the catalogue read below
-        self._chunks = _list_chunks(self.path)
+        self._chunks = list_chunks(self.path)
         check_chunk_sequence(self.path, self._chunks)
-        meta_path = self.path / _TRACE_JSON
+        meta_path = self.path / TRACE_JSON
         try:
             meta = json.loads(meta_path.read_text())
         except FileNotFoundError:
@@ -64,7 +94,7 @@ class TraceReader:
             hist_bits = meta["hist"]["mantissa_bits"]
             if isinstance(hist_bits, bool) or not isinstance(hist_bits, int):
                 raise TypeError(f"hist.mantissa_bits {hist_bits!r} is not an int")
-            if not 0 <= hist_bits <= 10:  # what a writer takes (abs_histogram._check_k)
+            if not 0 <= hist_bits <= 10:  # what a writer takes (histogram.check_mantissa_bits)
                 raise ValueError(f"hist.mantissa_bits {hist_bits} is outside 0..10")
             formats = [str(f) for f in meta.get("formats", [])]
             tensors = [
@@ -129,9 +159,9 @@ class TraceReader:
             or cols["hist_counts"].size != nb or (np.diff(off) < 0).any()
         ):  # fmt: skip
             raise ValueError(f"{path}: corrupt trace chunk: histogram offsets out of order or range")
-        m = _CHUNK_RE.match(path.name)
+        m = CHUNK_RE.match(path.name)
         check_chunk_values(path, cols, int(m.group(2)), int(m.group(3)),
-                           _n_bins(self.hist_mantissa_bits))  # fmt: skip
+                           num_bins(self.hist_mantissa_bits))  # fmt: skip
         self._cache = (path, cols)
         return cols
 
@@ -153,7 +183,7 @@ class TraceReader:
                 out[c].append(cols[c][sel])
         return {
             c: (np.concatenate(v) if v else np.zeros(0, dt))
-            for (c, v), dt in zip(out.items(), _COLUMN_DTYPES)
+            for (c, v), dt in zip(out.items(), COLUMN_DTYPES)
         }
 
     def _record(self, cols: dict[str, np.ndarray], i: int) -> TraceRecord:
@@ -198,18 +228,18 @@ class TraceReader:
 
     def saved_tensors(self) -> list[tuple[int, str]]:
         """(step, name) of every full tensor saved, sorted."""
-        d = self.path / _TENSOR_DIR
+        d = self.path / TENSOR_DIR
         out = []
         if d.is_dir():
             for f in d.iterdir():
-                m = _TENSOR_RE.match(f.name)
+                m = TENSOR_RE.match(f.name)
                 if m and int(m.group(2)) < len(self.tensors):
                     out.append((int(m.group(1)), self.tensors[int(m.group(2))].name))
         return sorted(out)
 
     def tensor_file(self, step: int, name: str) -> Path:
         """Path of a saved tensor's safetensors file."""
-        p = self.path / _TENSOR_DIR / f"{int(step):08d}-{self.tensor(name).index:05d}.safetensors"
+        p = self.path / TENSOR_DIR / tensor_file_name(step, self.tensor(name).index)
         if not p.is_file():
             raise ValueError(f"{self.path}: no saved tensor {name!r} at step {step}")
         return p

@@ -5,8 +5,9 @@ The trace may already hold some of them (a chunk flushed when the run was interr
 tensors saved): :func:`truncate_trace` removes every record and saved tensor of a later step, so
 the re-recorded steps replace them instead of colliding. A chunk that straddles the step is
 rewritten with its earlier rows (new file first, then the old one is removed: an interruption
-leaves both, and readers then take the shorter one -- see ``fp8sim.trace._list_chunks`` -- until
-the next truncation removes the other). Used by :meth:`fp8sim.trace.TraceWriter.truncate_after`.
+leaves both, and readers then take the shorter one -- see
+:func:`fp8sim.trace.layout.list_chunks` -- until the next truncation removes the other). Used by
+:meth:`fp8sim.trace.TraceWriter.truncate_after`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ import os
 from pathlib import Path
 
 import numpy as np
+
+from fp8sim.atomic_file import atomic_write
+from fp8sim.trace.layout import (
+    CHUNK_DIR,
+    CHUNK_RE,
+    TENSOR_DIR,
+    TENSOR_RE,
+    chunk_file_name,
+    list_chunks,
+)
 
 __all__ = ["truncate_trace"]
 
@@ -37,17 +48,15 @@ def truncate_trace(path: str | os.PathLike, step: int) -> tuple[int, int | None]
 
     Returns ``(next chunk sequence number, last step still stored or None)``.
     """
-    from fp8sim.trace import _CHUNK_DIR, _CHUNK_RE, _TENSOR_DIR, _TENSOR_RE, _atomic_write, _list_chunks
-
     path = Path(path)
     step = int(step)
-    listed = {c[3] for c in _list_chunks(path)}
-    if (path / _CHUNK_DIR).is_dir():  # the longer twin a previous interrupted truncation left
-        for f in (path / _CHUNK_DIR).iterdir():
-            if _CHUNK_RE.match(f.name) and f not in listed:
+    listed = {c[3] for c in list_chunks(path)}
+    if (path / CHUNK_DIR).is_dir():  # the longer twin a previous interrupted truncation left
+        for f in (path / CHUNK_DIR).iterdir():
+            if CHUNK_RE.match(f.name) and f not in listed:
                 f.unlink()
     # from the last chunk down: an interruption leaves a prefix of the chunks, never a gap
-    for seq, first, last, f in reversed(_list_chunks(path)):
+    for seq, first, last, f in reversed(list_chunks(path)):
         if first > step:
             f.unlink()
         elif last > step:
@@ -55,15 +64,15 @@ def truncate_trace(path: str | os.PathLike, step: int) -> tuple[int, int | None]
                 cols = {k: z[k] for k in z.files}
             kept = _keep_rows(cols, cols["step"] <= step)
             new_last = int(kept["step"].max()) if kept["step"].size else first
-            name = f"chunk-{seq:06d}-s{first:08d}-{new_last:08d}.npz"
-            _atomic_write(path / _CHUNK_DIR / name, lambda fh: np.savez_compressed(fh, **kept))
+            name = chunk_file_name(seq, first, new_last)
+            atomic_write(path / CHUNK_DIR / name, lambda fh: np.savez_compressed(fh, **kept))
             if name != f.name:
                 f.unlink()
-    tdir = path / _TENSOR_DIR
+    tdir = path / TENSOR_DIR
     if tdir.is_dir():
         for f in tdir.iterdir():
-            m = _TENSOR_RE.match(f.name)
+            m = TENSOR_RE.match(f.name)
             if m and int(m.group(1)) > step:
                 f.unlink()
-    chunks = _list_chunks(path)
+    chunks = list_chunks(path)
     return (chunks[-1][0] + 1 if chunks else 0), max((c[2] for c in chunks), default=None)

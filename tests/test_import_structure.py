@@ -1,0 +1,181 @@
+"""The installed package's import graph, read from the source by AST (nothing is imported).
+
+Modules are named as installed: ``fp8sim/`` -> ``fp8sim.*``, ``kernels/`` -> ``fp8sim.kernels.*``,
+``analysis/`` -> ``fp8sim.analysis.*``, ``cli.py`` -> ``fp8sim.cli`` (pyproject.toml's
+``[tool.setuptools]`` ``packages`` and ``package-dir`` say which folder is which package).
+
+An import statement counts as *module-level* when it runs while its module is being imported: at
+the top of the file, in a class body, under a module-level ``if``/``try``. One inside a function
+runs later, when the function is called; one under ``if TYPE_CHECKING:`` never runs. A cycle of
+module-level imports is a defect: whichever module of it is imported first sees the others half
+initialised, so the program works or fails by import order. (Imports inside functions may close a
+cycle; that is the usual way to break one, and is counted separately.)
+
+Edges: ``import a.b`` and ``from a import b`` (``b`` a module) point to ``a.b``; ``from a.b import
+name`` points to ``a.b``. An edge to a module's own parent packages is not counted: Python has
+always started importing those first, so they cannot close a cycle that import order decides.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE, FUNCTION, TYPE_CHECKING = "module", "function", "type_checking"
+
+
+def _installed_modules() -> dict[str, Path]:
+    """Installed module name -> source file, by pyproject.toml's packages and package-dir."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        tomllib = pytest.importorskip("tomli")
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir = setup.get("package-dir", {})
+    modules: dict[str, Path] = {}
+    for pkg in setup["packages"]:
+        # the folder of the longest mapped prefix, then the rest of the dotted name below it
+        prefix = max((p for p in package_dir if pkg == p or pkg.startswith(p + ".")), key=len,
+                     default="")  # fmt: skip
+        rest = pkg[len(prefix):].lstrip(".").replace(".", "/")
+        folder = ROOT / package_dir.get(prefix, "") / rest
+        for f in sorted(folder.glob("*.py")):
+            name = pkg if f.name == "__init__.py" else f"{pkg}.{f.stem}"
+            modules[name] = f.resolve()  # fp8sim/cli.py is a link to the root cli.py
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")  # fmt: skip
+
+
+def _imports(tree: ast.AST):
+    """(node, kind) of every import statement; kind: MODULE, FUNCTION or TYPE_CHECKING."""
+
+    def walk(node: ast.AST, kind: str):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child, kind
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                yield from walk(child, FUNCTION if kind == MODULE else kind)
+            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+                for stmt in child.body:
+                    yield from walk(ast.Module(body=[stmt], type_ignores=[]),
+                                    TYPE_CHECKING if kind == MODULE else kind)  # fmt: skip
+                for stmt in child.orelse:
+                    yield from walk(ast.Module(body=[stmt], type_ignores=[]), kind)
+            else:
+                yield from walk(child, kind)
+
+    yield from walk(tree, MODULE)
+
+
+def import_graph() -> dict[str, dict[str, set[str]]]:
+    """kind -> {module: modules of this package it imports with imports of that kind}."""
+    modules = _installed_modules()
+    graph = {kind: {m: set() for m in modules} for kind in (MODULE, FUNCTION, TYPE_CHECKING)}
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py" and name != "fp8sim.cli"
+        package = name if is_pkg else name.rpartition(".")[0]
+        for node, kind in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]  # fmt: skip
+            for t in targets:
+                while t and t not in modules:  # `import fp8sim.x.y` names y; a name in y too
+                    t = t.rpartition(".")[0]
+                if t and t != name and not name.startswith(t + "."):
+                    graph[kind][name].add(t)
+    return graph
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_the_graph_sees_the_packages_and_their_imports():
+    # the test must be able to fail: known modules are found, and known edges of each kind
+    g = import_graph()
+    for m in ("fp8sim", "fp8sim.cli", "fp8sim.kernels", "fp8sim.analysis.replay",
+              "fp8sim.trace", "fp8sim.trace.writer", "fp8sim.training.recorder"):  # fmt: skip
+        assert m in g[MODULE], m
+    assert "fp8sim.trace.layout" in g[MODULE]["fp8sim.trace.writer"]
+    assert "fp8sim.trace" in g[MODULE]["fp8sim.analysis.replay"]
+    assert "fp8sim.trace" in g[FUNCTION]["fp8sim.training.allreduce_sim"]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_package_folder_is_installed():
+    # a subpackage missing from pyproject's list works in the editable install and is absent
+    # from the wheel
+    modules = _installed_modules()
+    for root in {p.parent for m, p in modules.items() if p.name == "__init__.py"}:
+        for init in root.glob("*/__init__.py"):
+            assert init.resolve() in modules.values(), f"{init.parent} is not in pyproject packages"
+
+
+def test_no_module_level_import_cycle():
+    assert import_cycles(import_graph()[MODULE]) == []
+
+
+def test_the_trace_package_needs_no_function_level_import_to_break_a_cycle():
+    # the format, writer, reader and truncation import one another in one direction only
+    g = import_graph()
+    edges = {m: g[MODULE][m] | g[FUNCTION][m] for m in g[MODULE]}
+    cycles = import_cycles(edges)
+    assert not [c for c in cycles if any(m.split(".")[:2] == ["fp8sim", "trace"] for m in c)]
+
+
+def test_the_trace_package_imports_only_the_core():
+    # the trace format lives in the core so that training (writes) and analysis (reads) never
+    # import each other: it must not import either of them, the kernels or the CLI
+    outside_core = ("training", "analysis", "kernels", "backends", "cli", "commands")
+    g = import_graph()
+    for kind in (MODULE, FUNCTION):
+        for m, targets in g[kind].items():
+            if m.split(".")[:2] == ["fp8sim", "trace"]:
+                bad = [t for t in targets if "." in t and t.split(".")[1] in outside_core]
+                assert not bad, (m, kind, bad)
