@@ -19,10 +19,8 @@ Semantics (the contract in DESIGN.md):
   ``k`` bits of ``rbits`` (uint32, one per element) or of Philox4x32-10 keyed by ``seed`` with
   counter = flat C-order element index -- the stream of ``tl.randint(seed, offsets)`` with
   int32 offsets (the counter wraps modulo 2**32: tensors past 4G elements repeat draws).
-* Results of 4 MiB or more are drawn from :mod:`fp8sim.result_cache`: the memory of an earlier
-  result that nothing refers to any more is reused, so a repeated cast does not pay the page
-  faults of fresh memory (``FP8SIM_RESULT_CACHE_MB=0`` turns that off). A result is an ordinary
-  numpy array (its memory is leased from the cache); ``out=`` avoids the allocation altogether.
+* Every result is a fresh numpy array; ``encode(..., out=)`` writes into a given one instead
+  (a loop that casts tensors of one size saves the allocation that way).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from fp8sim import _encode_core as core
-from fp8sim import result_cache
 from fp8sim._jit import PARALLEL_MIN_ELEMENTS
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.philox import seed_words
@@ -245,7 +242,7 @@ def _encode_numpy(
     flat = np.ascontiguousarray(arr).reshape(-1)
     rb, use_rbits, k0, k1, k = _stochastic_inputs(flat.size, shape, rounding, rbits, srbits, seed)
     dest = out
-    out = result_cache.empty(flat.size, fmt.code_dtype) if dest is None else dest.reshape(-1)
+    out = np.empty(flat.size, fmt.code_dtype) if dest is None else dest.reshape(-1)
     status = np.zeros(flat.size if fmt.nan == "none" else 0, dtype=np.uint8)
     params = format_params(fmt)
     big = flat.size >= PARALLEL_MIN_ELEMENTS
@@ -404,7 +401,7 @@ def decode(codes: Any, fmt: FloatFormat | str, *, dtype: Any = np.float32) -> An
             f"code {int(flat[i])} at flat index {i} is out of range for {fmt.name} "
             f"({fmt.bits} bits)"
         )
-    out = result_cache.empty(flat.size, dtype)
+    out = np.empty(flat.size, dtype)
     kernel = core.decode_kernel if flat.size >= PARALLEL_MIN_ELEMENTS else core.decode_kernel_serial
     kernel(flat, decode_table(fmt, dtype), out)
     out = out.reshape(arr.shape)
