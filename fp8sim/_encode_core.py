@@ -45,7 +45,7 @@ __all__ = [
     "encode_fields",
     "encode_f32_kernel",
     "encode_f64_kernel",
-    "encode_fast_kernel",
+    "encode_fast",
     "encode_f32_rne_kernel",
     "decode_kernel",
 ]
@@ -281,7 +281,7 @@ def decode_kernel(codes, table, out):
 def _fast_code(s, a, p, emax_in, bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
                inf_res, nan_code, fnuz, mode, r, k):
     """Code of the input with sign ``s`` (0/1) and magnitude bits ``a`` (int64), written as
-    selects so that loops over it vectorize; see :func:`encode_fast_kernel`.
+    selects so that loops over it vectorize; see :func:`encode_fast`.
 
     ``p``, ``emax_in``, ``bias_in`` describe the input: 23, 0xFF, 127 for float32; 52, 0x7FF,
     1023 for float64.
@@ -325,78 +325,55 @@ def _fast_code(s, a, p, emax_in, bias_in, mbits, emin, max_code, mag_bits, over_
     return code | ((s & (1 - drop_sign)) << mag_bits)
 
 
-@jit_kernel
-def encode_fast_kernel(xbits, out, p, emax_in, bias_in, mbits, emin, max_code, mag_bits,
-                       over_code, nan_code, fnuz, mode, saturate, rbits, use_rbits, k0, k1, k):
+def _fast_loop(mode: int, parallel: bool):
+    """The branch-free encode loop compiled for one rounding mode: ``mode`` is a constant of the
+    closure, so LLVM folds the mode's branches in :func:`_fast_code` and vectorizes (a mode
+    passed as an argument would reach the loop as a variable). ``parallel`` picks ``prange``
+    threads or the serial twin (see ``PARALLEL_MIN_ELEMENTS``)."""
+
+    @jit_kernel
+    def encode_fast_loop(xbits, out, p, emax_in, bias_in, mbits, emin, max_code, mag_bits,
+                         over_pos, over_neg, inf_res, nan_code, fz, rbits, use_rbits, k0, k1, k):
+        sbit = xbits.itemsize * 8 - 1  # the sign bit of the input word
+        amask = (np.int64(1) << sbit) - 1 if sbit < 63 else np.int64(0x7FFFFFFFFFFFFFFF)
+        for i in numba.prange(xbits.size):
+            u = xbits[i]
+            r = np.uint32(0)
+            if mode == STOCHASTIC:  # rbits given, else Philox inline, one word per flat index
+                r = np.uint32(rbits[i]) if use_rbits else np.uint32(randint_scalar(k0, k1, i))
+            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
+                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
+                                inf_res, nan_code, fz, mode, r, k)
+
+    return encode_fast_loop if parallel else serial_twin(encode_fast_loop)
+
+
+_FAST_LOOPS = {(mode, parallel): _fast_loop(mode, parallel)
+               for mode in (RNE, RNA, RTZ, UP, DOWN, ODD, STOCHASTIC) for parallel in (True, False)}
+
+
+def encode_fast(xbits, out, p, emax_in, bias_in, mbits, emin, max_code, mag_bits, over_code,
+                nan_code, fnuz, mode, saturate, rbits, use_rbits, k0, k1, k, parallel):
     """Branch-free twin of :func:`encode_f32_kernel` / :func:`encode_f64_kernel`, same results.
 
     Valid for a signed format with subnormals and a NaN (every FP8 format, e3m4, fp16, bf16,
     eXmY) whose ``emin`` lies inside the input's normal range (float32: ``emin >= -126``), so
     input subnormals need no normalizing. ``xbits``: uint32 (float32) or uint64 (float64) bit
-    patterns. ``over_code`` is what a non-saturating overflow becomes (inf code, else NaN code),
+    patterns; ``p``, ``emax_in``, ``bias_in`` describe them (23, 0xFF, 127 or 52, 0x7FF, 1023).
+    ``over_code`` is what a non-saturating overflow becomes (inf code, else NaN code),
     ``nan_code`` the positive NaN code, ``fnuz`` whether -0 has no code (zeros and the NaN then
-    carry no sign). One loop per mode, the mode a constant in each, so LLVM folds it and
-    vectorizes; the exhaustive tests hold this kernel to the reference.
+    carry no sign). Runs the loop compiled for ``mode`` (:func:`_fast_loop`), on threads when
+    ``parallel``; the exhaustive tests hold it to the reference.
     """
     # what an overflowing code becomes, per sign: max where saturating or rounding toward zero
-    clamp_pos = saturate or mode == RTZ or mode == ODD or mode == DOWN
-    clamp_neg = saturate or mode == RTZ or mode == ODD or mode == UP
+    clamp_pos = saturate or mode in (RTZ, ODD, DOWN)
+    clamp_neg = saturate or mode in (RTZ, ODD, UP)
     over_pos = max_code if clamp_pos else over_code
     over_neg = max_code if clamp_neg else over_code
     inf_res = max_code if saturate else over_code  # an infinite input
-    fz = np.int64(1) if fnuz else np.int64(0)
-    n = xbits.size
-    sbit = xbits.itemsize * 8 - 1  # the sign bit of the input word
-    amask = (np.int64(1) << sbit) - 1 if sbit < 63 else np.int64(0x7FFFFFFFFFFFFFFF)
-    if mode == STOCHASTIC and use_rbits:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, STOCHASTIC, np.uint32(rbits[i]), k)
-    elif mode == STOCHASTIC:  # Philox inline, one word per flat index
-        for i in numba.prange(n):
-            u = xbits[i]
-            r = np.uint32(randint_scalar(k0, k1, i))
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, STOCHASTIC, r, k)
-    elif mode == RNE:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, RNE, np.uint32(0), k)
-    elif mode == RNA:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, RNA, np.uint32(0), k)
-    elif mode == RTZ:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, RTZ, np.uint32(0), k)
-    elif mode == UP:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, UP, np.uint32(0), k)
-    elif mode == DOWN:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, DOWN, np.uint32(0), k)
-    elif mode == ODD:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, ODD, np.uint32(0), k)
+    _FAST_LOOPS[mode, parallel](xbits, out, p, emax_in, bias_in, mbits, emin, max_code, mag_bits,
+                                over_pos, over_neg, inf_res, nan_code, np.int64(bool(fnuz)), rbits,
+                                use_rbits, k0, k1, k)
 
 
 @intrinsic
@@ -449,7 +426,7 @@ def _rne_code_u32(typingctx, u, sh, half_m1, adj, mn, sub_base, mx, ov, nc, knan
 def encode_f32_rne_kernel(xbits, out, shift, adj, minnorm_bits, emin_b, max_code, over_code, nan_code, fnuz,
                           mag_bits):
     """Round to nearest even from float32 bit patterns in 32-bit lanes; the same codes as
-    :func:`encode_fast_kernel` in ``RNE`` mode for the formats it takes (all with mantissa
+    :func:`encode_fast` in ``RNE`` mode for the formats it takes (all with mantissa
     bits ``m <= 22`` and ``emin >= -126``).
 
     With ``a`` the magnitude bits of the input and ``shift = 23 - m``:
@@ -546,7 +523,6 @@ def encode_f32_rne_fpu_kernel(x, out, shift, adj, minnorm_bits, csub, max_code, 
 
 
 # serial twins for small arrays (see fp8sim._jit.PARALLEL_MIN_ELEMENTS)
-encode_fast_kernel_serial = serial_twin(encode_fast_kernel)
 encode_f32_rne_kernel_serial = serial_twin(encode_f32_rne_kernel)
 encode_f32_rne_fpu_kernel_serial = serial_twin(encode_f32_rne_fpu_kernel)
 encode_f32_kernel_serial = serial_twin(encode_f32_kernel)

@@ -214,7 +214,7 @@ def _raise_status(status: np.ndarray, fmt: FloatFormat, shape: tuple) -> None:
 
 
 def _fast_path_ok(fmt: FloatFormat, dtype: np.dtype) -> bool:
-    """Whether the branch-free kernel applies (see ``_encode_core.encode_fast_kernel``)."""
+    """Whether the branch-free kernel applies (see ``_encode_core.encode_fast``)."""
     emin_floor = -126 if dtype == np.float32 else -1022
     return fmt.signed and fmt.has_subnormals and fmt.has_nan and fmt.emin >= emin_floor
 
@@ -267,11 +267,10 @@ def _encode_numpy(
             bits, p, emax_in, bias_in = flat.view(np.uint32), 23, 0xFF, 127
         else:
             bits, p, emax_in, bias_in = flat.view(np.uint64), 52, 0x7FF, 1023
-        kernel = core.encode_fast_kernel if big else core.encode_fast_kernel_serial
-        kernel(
+        core.encode_fast(
             bits, out, p, emax_in, bias_in, fmt.mantissa_bits, fmt.emin, fmt.max_code,
             fmt.magnitude_bits, over, fmt.nan_code, fmt.nan == "fnuz", mode, bool(saturate),
-            rb, use_rbits, np.uint64(k0), np.uint64(k1), k,
+            rb, use_rbits, np.uint64(k0), np.uint64(k1), k, big,
         )
         return out.reshape(shape)
     if flat.dtype == np.float32:
