@@ -6,7 +6,7 @@ Semantics (the contract in DESIGN.md):
   torch tensors (torch in -> torch out), any shape, any strides. Each value is rounded once,
   directly from its own bits: float16/bfloat16 widen exactly to float32, float64 is rounded from
   its 53-bit significand (never through float32).
-* ``rounding``: one of :data:`ROUNDING_MODES` (see ``fp8sim._encode_core`` for the exact rules).
+* ``rounding``: one of :data:`ROUNDING_MODES` (see ``fp8sim._numba.encode_core`` for the exact rules).
 * ``saturate=True``: finite overflow and +-inf become +-max, NaN stays NaN. ``saturate=False``
   (OCP "non-saturating"): overflow becomes +-inf where the format has inf, else NaN; modes that
   round toward zero at that sign never overflow (``rtz``, ``odd``, ``up`` < 0, ``down`` > 0).
@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from fp8sim import _encode_core as core
-from fp8sim._jit import PARALLEL_MIN_ELEMENTS
+from fp8sim._numba import encode_core as core
+from fp8sim._numba.jit import PARALLEL_MIN_ELEMENTS
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.philox import seed_words
 
@@ -214,7 +214,7 @@ def _raise_status(status: np.ndarray, fmt: FloatFormat, shape: tuple) -> None:
 
 
 def _fast_path_ok(fmt: FloatFormat, dtype: np.dtype) -> bool:
-    """Whether the branch-free kernel applies (see ``_encode_core.encode_fast``)."""
+    """Whether the branch-free kernel applies (see ``encode_core.encode_fast``)."""
     emin_floor = -126 if dtype == np.float32 else -1022
     return fmt.signed and fmt.has_subnormals and fmt.has_nan and fmt.emin >= emin_floor
 

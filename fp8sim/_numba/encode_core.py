@@ -35,8 +35,8 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from fp8sim._bitcast import add32, and32, bits_f32, f32_bits, or32, shl32, shr32, sub32
-from fp8sim._jit import jit_kernel, jit_scalar, serial_twin
+from fp8sim._numba.bitcast import add32, and32, bits_f32, f32_bits, or32, shl32, shr32, sub32
+from fp8sim._numba.jit import jit_kernel, jit_scalar, serial_twin
 from fp8sim.philox import randint_scalar
 
 __all__ = [
@@ -491,7 +491,7 @@ def encode_f32_rne_fpu_kernel(x, out, shift, adj, minnorm_bits, csub, max_code, 
     not matter. Huge ``a`` (``C``'s exponent beyond float32: the 32-bit add carries into the sign
     bit, so ``C`` is negative) gives ``r`` = inf, NaN or about ``a``, a code
     above max either way; then overflow, NaN and sign as in :func:`encode_f32_rne_kernel`. 32-bit
-    lanes throughout (:mod:`fp8sim._bitcast`).
+    lanes throughout (:mod:`fp8sim._numba.bitcast`).
 
     Assumes the FPU's default round-to-nearest-even mode (as numpy, torch and every Python
     process run): under ``fesetround`` toward zero or upward the two adds round differently and
@@ -522,7 +522,7 @@ def encode_f32_rne_fpu_kernel(x, out, shift, adj, minnorm_bits, csub, max_code, 
         out[i] = or32(code, shl32(and32(shr32(u, np.uint32(31)), keep), sb))
 
 
-# serial twins for small arrays (see fp8sim._jit.PARALLEL_MIN_ELEMENTS)
+# serial twins for small arrays (see fp8sim._numba.jit.PARALLEL_MIN_ELEMENTS)
 encode_f32_rne_kernel_serial = serial_twin(encode_f32_rne_kernel)
 encode_f32_rne_fpu_kernel_serial = serial_twin(encode_f32_rne_fpu_kernel)
 encode_f32_kernel_serial = serial_twin(encode_f32_kernel)
