@@ -49,18 +49,18 @@ __all__ = [
 
 ROUNDING_MODES = ("rne", "rna", "rtz", "up", "down", "odd", "stochastic")
 ROUNDING_IDS = {name: i for i, name in enumerate(ROUNDING_MODES)}
-_NAN_KIND_IDS = {"ieee": 0, "fn": 1, "fnuz": 2, "none": 3}
+_NAN_KIND_IDS = {"ieee": core.NAN_IEEE, "fn": core.NAN_FN, "fnuz": core.NAN_FNUZ,
+                 "none": core.NAN_NONE}
 
 
 @functools.lru_cache(maxsize=None)
-def format_params(fmt: FloatFormat | str) -> tuple:
-    """The flat tuple of ints that numba kernels take instead of the dataclass.
-
+def format_params(fmt: FloatFormat | str) -> core.FormatParams:
+    """The named tuple of ints that numba kernels take instead of the dataclass:
     ``(mantissa_bits, emin, max_code, sign_mask, signed, has_subnormals, nan_kind, nan_code,
-    inf_code)``; nan_kind 0 ieee / 1 fn / 2 fnuz / 3 none; nan_code, inf_code -1 when absent.
+    inf_code)`` (see :class:`fp8sim._numba.encode_core.FormatParams`).
     """
     fmt = get_format(fmt)
-    return (
+    return core.FormatParams(
         fmt.mantissa_bits,
         fmt.emin,
         fmt.max_code,
@@ -199,7 +199,7 @@ def _raise_status(status: np.ndarray, fmt: FloatFormat, shape: tuple) -> None:
     bad = np.flatnonzero(status)
     if bad.size == 0:
         return
-    nan_idx = bad[status[bad] == 1]
+    nan_idx = bad[status[bad] == -core.ERR_NAN]  # the kernels store -ERR_NAN / -ERR_OVERFLOW
     if nan_idx.size:
         first = np.unravel_index(int(nan_idx[0]), shape) if shape else ()
         raise ValueError(

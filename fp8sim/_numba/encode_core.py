@@ -29,6 +29,8 @@ format has inf, else NaN, else the ``ERR_OVERFLOW`` sentinel (formats with no Na
 from __future__ import annotations
 
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -42,6 +44,11 @@ from fp8sim.philox import randint_scalar
 __all__ = [
     "ERR_NAN",
     "ERR_OVERFLOW",
+    "FormatParams",
+    "NAN_IEEE",
+    "NAN_FN",
+    "NAN_FNUZ",
+    "NAN_NONE",
     "encode_fields",
     "encode_f32_kernel",
     "encode_f64_kernel",
@@ -56,37 +63,47 @@ ERR_OVERFLOW = -2  # overflow or inf, format has neither inf nor NaN, not satura
 # mode ids -- keep in sync with emulator.ROUNDING_IDS
 RNE, RNA, RTZ, UP, DOWN, ODD, STOCHASTIC = 0, 1, 2, 3, 4, 5, 6
 
-# params tuple layout (see emulator.format_params)
-# (mbits, emin, max_code, sign_mask, signed, has_subnormals, nan_kind, nan_code, inf_code)
-# nan_kind: 0 ieee, 1 fn, 2 fnuz, 3 none ; inf_code -1 when the format has no inf
+# nan_kind of a format: IEEE-style (all-ones exponent), "fn" (only the all-ones code),
+# "fnuz" (the negative-zero code), none
+NAN_IEEE, NAN_FN, NAN_FNUZ, NAN_NONE = 0, 1, 2, 3
+
+
+class FormatParams(NamedTuple):
+    """What the general kernels need of a format, as ints (numba takes a named tuple of ints,
+    not the dataclass): built by ``fp8sim.emulator.format_params``."""
+
+    mantissa_bits: int
+    emin: int
+    max_code: int
+    sign_mask: int
+    signed: int  # 0 / 1
+    has_subnormals: int  # 0 / 1
+    nan_kind: int  # NAN_IEEE / NAN_FN / NAN_FNUZ / NAN_NONE
+    nan_code: int  # the positive NaN code, -1 when there is none
+    inf_code: int  # the positive inf code, -1 when there is none
 
 
 @jit_scalar
 def _nan_code(neg, params):
     """The format's NaN with the input's sign where the format can carry it."""
-    sign_mask = params[3]
-    nan_kind = params[6]
-    nan_code = params[7]
-    if nan_kind == 3:
+    if params.nan_kind == NAN_NONE:
         return ERR_NAN
-    if nan_kind == 2:  # fnuz: the single NaN is the negative-zero code
-        return nan_code
-    if neg and params[4]:
-        return nan_code | sign_mask
-    return nan_code
+    if params.nan_kind == NAN_FNUZ:  # the single NaN is the negative-zero code
+        return params.nan_code
+    if neg and params.signed:
+        return params.nan_code | params.sign_mask
+    return params.nan_code
 
 
 @jit_scalar
 def _overflow_code(neg, params, saturate):
     """Result of an overflow that rounds away from zero (or of an infinite input)."""
-    max_code = params[2]
-    sign_mask = params[3]
-    sign = sign_mask if (neg and params[4]) else 0
+    sign = params.sign_mask if (neg and params.signed) else 0
     if saturate:
-        return max_code | sign
-    if params[8] >= 0:
-        return params[8] | sign
-    if params[6] == 3:
+        return params.max_code | sign
+    if params.inf_code >= 0:
+        return params.inf_code | sign
+    if params.nan_kind == NAN_NONE:
         return ERR_OVERFLOW
     return _nan_code(neg, params)
 
@@ -99,13 +116,13 @@ def encode_fields(neg, is_nan, is_inf, e, sig, p, params, mode, saturate, r, k):
     zero. ``r`` is a uint32 random word (top ``k`` bits used) for stochastic rounding.
     Returns the code (>= 0) or ``ERR_NAN`` / ``ERR_OVERFLOW``.
     """
-    mbits = params[0]
-    emin = params[1]
-    max_code = params[2]
-    sign_mask = params[3]
-    signed = params[4]
-    has_sub = params[5]
-    nan_kind = params[6]
+    mbits = params.mantissa_bits
+    emin = params.emin
+    max_code = params.max_code
+    sign_mask = params.sign_mask
+    signed = params.signed
+    has_sub = params.has_subnormals
+    nan_kind = params.nan_kind
 
     if is_nan:
         return _nan_code(neg, params)
@@ -114,7 +131,7 @@ def encode_fields(neg, is_nan, is_inf, e, sig, p, params, mode, saturate, r, k):
     if is_inf:
         return _overflow_code(neg, params, saturate)
     if sig == 0:
-        if neg and signed and has_sub and nan_kind != 2:
+        if neg and signed and has_sub and nan_kind != NAN_FNUZ:
             return sign_mask  # negative zero
         return 0  # +0, FNUZ's only zero, or E8M0's smallest value (it has no zero)
 
@@ -183,7 +200,7 @@ def encode_fields(neg, is_nan, is_inf, e, sig, p, params, mode, saturate, r, k):
             return _overflow_code(neg, params, saturate)
 
     # sign bit, except on FNUZ's zero (-0 has no code there)
-    keep_sign = np.int64(neg) & np.int64(signed) & (1 - (np.int64(code == 0) & np.int64(nan_kind == 2)))
+    keep_sign = np.int64(neg) & np.int64(signed) & (1 - (np.int64(code == 0) & np.int64(nan_kind == NAN_FNUZ)))
     return code | (keep_sign * sign_mask)
 
 
