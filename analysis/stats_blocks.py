@@ -15,11 +15,11 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from fp8sim._bitcast import add32, and32, shr32
-from fp8sim._bitcast import bits_f32 as _bits_f32
-from fp8sim._bitcast import f32_bits as _f32_bits
-from fp8sim._jit import jit_inline, jit_serial
-from fp8sim._fma import square_add
+from fp8sim._numba.bitcast import add32, and32, shr32
+from fp8sim._numba.bitcast import bits_f32 as _bits_f32
+from fp8sim._numba.bitcast import f32_bits as _f32_bits
+from fp8sim._numba.jit import jit_inline, jit_serial
+from fp8sim._numba.fma import square_add
 from fp8sim.trace import EXPONENT_MAX, EXPONENT_MIN
 
 #: log2|x| histogram bins (floor(log2 float32(|x|)) - EXPONENT_MIN; the ends are sentinels)

@@ -27,12 +27,12 @@ from numba.core import types
 from numba.extending import overload
 
 from fp8sim.analysis.stats_blocks import _BLOCK, _INF_BITS, _MAG, _QUARTER, _pairwise_sum, _round_bits
-from fp8sim._bitcast import add32, and32
-from fp8sim._bitcast import bits_f32 as _bits_f32
-from fp8sim._bitcast import f32_bits as _f32_bits
-from fp8sim._jit import jit_inline, jit_serial
-from fp8sim._fma import square_add
-from fp8sim._prefetch import prefetch
+from fp8sim._numba.bitcast import add32, and32
+from fp8sim._numba.bitcast import bits_f32 as _bits_f32
+from fp8sim._numba.bitcast import f32_bits as _f32_bits
+from fp8sim._numba.jit import jit_inline, jit_serial
+from fp8sim._numba.fma import square_add
+from fp8sim._numba.prefetch import prefetch
 
 _LARGEST_FINITE = np.uint32(0x7F7FFFFF)  # bits of float32's max
 _ONE = np.uint32(1)

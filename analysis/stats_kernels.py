@@ -24,8 +24,8 @@ import numpy as np
 from fp8sim.analysis.stats_blocks import _BLOCK, _HIGH_EXP, N_HIST_COPIES, N_LOG2
 from fp8sim.analysis.stats_blocks import _cast, _pairwise_sum, _scan, _tile_amax
 from fp8sim.analysis.stats_full import _cast_full, _cast_full_pair, _cast_thresholds
-from fp8sim._bitcast import bits_f32
-from fp8sim._jit import PARALLEL_MIN_ELEMENTS, jit_kernel, jit_serial, serial_twin
+from fp8sim._numba.bitcast import bits_f32
+from fp8sim._numba.jit import PARALLEL_MIN_ELEMENTS, jit_kernel, jit_serial, serial_twin
 from fp8sim.scaling import scale_multiplier
 from fp8sim.trace import EXPONENT_MIN
 

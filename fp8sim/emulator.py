@@ -6,7 +6,7 @@ Semantics (the contract in DESIGN.md):
   torch tensors (torch in -> torch out), any shape, any strides. Each value is rounded once,
   directly from its own bits: float16/bfloat16 widen exactly to float32, float64 is rounded from
   its 53-bit significand (never through float32).
-* ``rounding``: one of :data:`ROUNDING_MODES` (see ``fp8sim._encode_core`` for the exact rules).
+* ``rounding``: one of :data:`ROUNDING_MODES` (see ``fp8sim._numba.encode_core`` for the exact rules).
 * ``saturate=True``: finite overflow and +-inf become +-max, NaN stays NaN. ``saturate=False``
   (OCP "non-saturating"): overflow becomes +-inf where the format has inf, else NaN; modes that
   round toward zero at that sign never overflow (``rtz``, ``odd``, ``up`` < 0, ``down`` > 0).
@@ -19,10 +19,8 @@ Semantics (the contract in DESIGN.md):
   ``k`` bits of ``rbits`` (uint32, one per element) or of Philox4x32-10 keyed by ``seed`` with
   counter = flat C-order element index -- the stream of ``tl.randint(seed, offsets)`` with
   int32 offsets (the counter wraps modulo 2**32: tensors past 4G elements repeat draws).
-* Results of 4 MiB or more are drawn from :mod:`fp8sim.result_cache`: the memory of an earlier
-  result that nothing refers to any more is reused, so a repeated cast does not pay the page
-  faults of fresh memory (``FP8SIM_RESULT_CACHE_MB=0`` turns that off). A result is an ordinary
-  numpy array (its memory is leased from the cache); ``out=`` avoids the allocation altogether.
+* Every result is a fresh numpy array; ``encode(..., out=)`` writes into a given one instead
+  (a loop that casts tensors of one size saves the allocation that way).
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from fp8sim import _encode_core as core
-from fp8sim import result_cache
-from fp8sim._jit import PARALLEL_MIN_ELEMENTS
+from fp8sim._numba import encode_core as core
+from fp8sim._numba.jit import PARALLEL_MIN_ELEMENTS
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.philox import seed_words
 
@@ -52,18 +49,18 @@ __all__ = [
 
 ROUNDING_MODES = ("rne", "rna", "rtz", "up", "down", "odd", "stochastic")
 ROUNDING_IDS = {name: i for i, name in enumerate(ROUNDING_MODES)}
-_NAN_KIND_IDS = {"ieee": 0, "fn": 1, "fnuz": 2, "none": 3}
+_NAN_KIND_IDS = {"ieee": core.NAN_IEEE, "fn": core.NAN_FN, "fnuz": core.NAN_FNUZ,
+                 "none": core.NAN_NONE}
 
 
 @functools.lru_cache(maxsize=None)
-def format_params(fmt: FloatFormat | str) -> tuple:
-    """The flat tuple of ints that numba kernels take instead of the dataclass.
-
+def format_params(fmt: FloatFormat | str) -> core.FormatParams:
+    """The named tuple of ints that numba kernels take instead of the dataclass:
     ``(mantissa_bits, emin, max_code, sign_mask, signed, has_subnormals, nan_kind, nan_code,
-    inf_code)``; nan_kind 0 ieee / 1 fn / 2 fnuz / 3 none; nan_code, inf_code -1 when absent.
+    inf_code)`` (see :class:`fp8sim._numba.encode_core.FormatParams`).
     """
     fmt = get_format(fmt)
-    return (
+    return core.FormatParams(
         fmt.mantissa_bits,
         fmt.emin,
         fmt.max_code,
@@ -202,7 +199,7 @@ def _raise_status(status: np.ndarray, fmt: FloatFormat, shape: tuple) -> None:
     bad = np.flatnonzero(status)
     if bad.size == 0:
         return
-    nan_idx = bad[status[bad] == 1]
+    nan_idx = bad[status[bad] == -core.ERR_NAN]  # the kernels store -ERR_NAN / -ERR_OVERFLOW
     if nan_idx.size:
         first = np.unravel_index(int(nan_idx[0]), shape) if shape else ()
         raise ValueError(
@@ -217,7 +214,7 @@ def _raise_status(status: np.ndarray, fmt: FloatFormat, shape: tuple) -> None:
 
 
 def _fast_path_ok(fmt: FloatFormat, dtype: np.dtype) -> bool:
-    """Whether the branch-free kernel applies (see ``_encode_core.encode_fast_kernel``)."""
+    """Whether the branch-free kernel applies (see ``encode_core.encode_fast``)."""
     emin_floor = -126 if dtype == np.float32 else -1022
     return fmt.signed and fmt.has_subnormals and fmt.has_nan and fmt.emin >= emin_floor
 
@@ -245,7 +242,7 @@ def _encode_numpy(
     flat = np.ascontiguousarray(arr).reshape(-1)
     rb, use_rbits, k0, k1, k = _stochastic_inputs(flat.size, shape, rounding, rbits, srbits, seed)
     dest = out
-    out = result_cache.empty(flat.size, fmt.code_dtype) if dest is None else dest.reshape(-1)
+    out = np.empty(flat.size, fmt.code_dtype) if dest is None else dest.reshape(-1)
     status = np.zeros(flat.size if fmt.nan == "none" else 0, dtype=np.uint8)
     params = format_params(fmt)
     big = flat.size >= PARALLEL_MIN_ELEMENTS
@@ -270,11 +267,10 @@ def _encode_numpy(
             bits, p, emax_in, bias_in = flat.view(np.uint32), 23, 0xFF, 127
         else:
             bits, p, emax_in, bias_in = flat.view(np.uint64), 52, 0x7FF, 1023
-        kernel = core.encode_fast_kernel if big else core.encode_fast_kernel_serial
-        kernel(
+        core.encode_fast(
             bits, out, p, emax_in, bias_in, fmt.mantissa_bits, fmt.emin, fmt.max_code,
             fmt.magnitude_bits, over, fmt.nan_code, fmt.nan == "fnuz", mode, bool(saturate),
-            rb, use_rbits, np.uint64(k0), np.uint64(k1), k,
+            rb, use_rbits, np.uint64(k0), np.uint64(k1), k, big,
         )
         return out.reshape(shape)
     if flat.dtype == np.float32:
@@ -404,7 +400,7 @@ def decode(codes: Any, fmt: FloatFormat | str, *, dtype: Any = np.float32) -> An
             f"code {int(flat[i])} at flat index {i} is out of range for {fmt.name} "
             f"({fmt.bits} bits)"
         )
-    out = result_cache.empty(flat.size, dtype)
+    out = np.empty(flat.size, dtype)
     kernel = core.decode_kernel if flat.size >= PARALLEL_MIN_ELEMENTS else core.decode_kernel_serial
     kernel(flat, decode_table(fmt, dtype), out)
     out = out.reshape(arr.shape)

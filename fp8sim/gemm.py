@@ -35,7 +35,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from fp8sim._jit import jit_kernel, jit_scalar
+from fp8sim._numba.jit import jit_kernel, jit_scalar
 from fp8sim.emulator import decode
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import Granularity, ScaledTensor, parse_granularity

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from fp8sim._jit import jit_inline, jit_kernel
+from fp8sim._numba.jit import jit_inline, jit_kernel
 
 __all__ = ["randint", "randint_scalar", "seed_words"]
 

@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from fp8sim._bitcast import bits_f32, f32_bits
-from fp8sim._jit import jit_scalar, jit_serial
+from fp8sim._numba.bitcast import bits_f32, f32_bits
+from fp8sim._numba.jit import jit_scalar, jit_serial
 from fp8sim.emulator import as_float_array, decode, encode
 from fp8sim.formats import FloatFormat, get_format
 

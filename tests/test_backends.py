@@ -9,12 +9,15 @@ raise NotImplementedError (asserted, not skipped).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 import fp8sim
 from fp8sim import backends
+from fp8sim.backends.base import CastSpec
 from fp8sim.backends.cases import edge_values, random_values
 from fp8sim.backends.torch_backend import TORCH_DTYPES
 from fp8sim.emulator import ROUNDING_MODES, decode_table
@@ -49,15 +52,26 @@ def quantize_or_raise(be, x, fmt, scale, rounding, saturate, seed=None):
     return codes
 
 
-@pytest.fixture(scope="module", params=BACKEND_NAMES)
-def be(request):
-    if request.param == "triton":
+def _backend(name: str):
+    if name == "triton":
         pytest.importorskip("triton")
         from fp8sim.kernels._cast import is_interpreter
 
         if not is_interpreter():  # CPU tensors need the interpreter; GPU: test_kernels_gpu.py
             pytest.skip("triton on CPU tensors needs TRITON_INTERPRET=1")
-    return backends.get(request.param)
+    return backends.get(name)
+
+
+@pytest.fixture(scope="module", params=BACKEND_NAMES)
+def be(request):
+    return _backend(request.param)
+
+
+@pytest.fixture(scope="module", params=[n for n in BACKEND_NAMES if n != "emulator"])
+def other_be(request):
+    """A backend other than the emulator's, for tests whose expected value comes from the very
+    code the emulator backend runs (it would be compared with itself)."""
+    return _backend(request.param)
 
 
 # -- quantize ---------------------------------------------------------------------------------
@@ -256,9 +270,12 @@ def test_cast_transpose(be, shape):
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # interpreter numpy
 @pytest.mark.parametrize("gran,rounding", [("block:1x32", "rne"), ("block:16x16", "up"),
                                            ("mx", "rne"), ("mx:rceil", "stochastic")])
-def test_block_quantize(be, gran, rounding):
+def test_block_quantize(other_be, gran, rounding):
+    """Against ``fp8sim.scaling.quantize_scaled`` (the emulator backend's own implementation,
+    tested against a blockwise reference in test_scaling.py)."""
     from fp8sim.scaling import quantize_scaled
 
+    be = other_be
     x = torch.from_numpy(random_values(3 * 130, seed=12, spread=10)).reshape(3, 130)
     x[1, 5] = float("nan")
     seed = SEED if rounding == "stochastic" else None
@@ -382,7 +399,9 @@ def adam_state(shape, seed):
 
 @pytest.mark.parametrize("rounding", ["rne", "stochastic"])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 130), (257, 31)])
-def test_adam_step_matches_emulator(be, shape, rounding):
+def test_adam_step_matches_emulator(other_be, shape, rounding):
+    """Against the emulator backend (itself checked against torch's AdamW below)."""
+    be = other_be
     grad, param, exp_avg, exp_avg_sq, (wsi, msi, vsi) = adam_state(shape, 3)
     ref_state = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
     kw = dict(step=3, lr=1e-3, weight_decay=0.1, exp_avg_scale=2.0**13, param_scale=512.0,
@@ -449,3 +468,36 @@ def test_nan_made_by_the_scale_is_canonical(be, fmt, scale):
     with np.errstate(invalid="ignore"):
         want = expect_codes(x, fmt, scale)
     assert torch.equal(codes, want)
+
+
+def test_cast_spec_checks_once():
+    """One record holds a cast's arguments; the checks every backend relies on live in it."""
+    spec = CastSpec("e4m3", "stochastic", True, seed=5, srbits=12)
+    assert spec.fmt == fp8sim.get_format("e4m3") and spec.encode_kwargs() == dict(
+        rounding="stochastic", saturate=True, seed=5, srbits=12)
+    with pytest.raises(ValueError, match="unknown rounding"):
+        CastSpec("e4m3", "nearest")
+    with pytest.raises(ValueError, match="needs seed"):
+        CastSpec("e4m3", "stochastic")
+    with pytest.raises(ValueError, match="seed= is for"):
+        CastSpec("e4m3", "rne", seed=1)
+    with pytest.raises(ValueError, match="srbits= is for"):
+        CastSpec("e4m3", "rne", srbits=8)
+    for bad in (0, 33, True, 2.0):
+        with pytest.raises(ValueError, match="srbits must be"):
+            CastSpec("e4m3", "stochastic", seed=1, srbits=bad)
+    with pytest.raises(TypeError, match="saturate"):
+        CastSpec("e4m3", saturate="yes")
+    with pytest.raises(ValueError):
+        CastSpec("e9m9x")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.seed = 6
+
+
+def test_backends_reject_what_cast_spec_rejects(be):
+    x = torch.ones(4, 4)
+    for call in (be.quantize, be.cast_transpose):
+        with pytest.raises(ValueError, match="srbits= is for"):
+            call(x, "e4m3", 1.0, srbits=8)
+    with pytest.raises(ValueError, match="srbits must be"):
+        be.block_quantize(x, "e4m3", "block:1x4", rounding="stochastic", seed=1, srbits=40)

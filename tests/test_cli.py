@@ -1,7 +1,6 @@
 """The command line: formats, cast, conformance; exit codes; README <-> CI consistency."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -82,30 +81,6 @@ def test_json_output_is_strict_json(capsys):
 def test_generic_formats_beyond_float32_are_refused(capsys):
     code, out, err = run_cli(capsys, "formats", "e9m6")
     assert code == 2 and "2..8 exponent bits" in err and err.count("\n") == 1
-
-
-def test_conformance_reports_known_library_behaviour(capsys):
-    code, out, _ = run_cli(capsys, "conformance", "--patterns", "65536", "--json")
-    assert code == 0
-    res = {(r["library"], r["target"], r["inputs"]): r for r in json.loads(out)}
-    # torch's e4m3fn cast saturates; ml_dtypes' does not (NaN) -- both agree with us exactly
-    torch_e4 = res[("torch", "float8_e4m3fn", "float32-sweep")]
-    assert torch_e4["verdict"] == "agrees, saturating"
-    assert torch_e4["agree_saturating"] == torch_e4["n"] >= 65536
-    assert res[("ml_dtypes", "float8_e4m3fn", "float32-sweep")]["verdict"] == "agrees, non-saturating"
-    assert res[("torch", "float8_e5m2", "float16-all")]["verdict"] == "agrees, non-saturating"
-    # E8M0: documented differences are excluded and named; everything else agrees
-    for lib in ("torch", "ml_dtypes"):
-        r = res[(lib, "float8_e8m0fnu", "float32-sweep")]
-        assert r["verdict"].startswith("agrees") and r["excluded"] > 0 and r["note"]
-    # Triton's interpreter float32 -> fp8e4nv conversion is wrong on CPU (a known bug)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        tri = res[("triton-interpreter", "tl.float8e4nv", "float32-sweep")]
-        assert tri["verdict"] == "DISAGREES" and tri["first_disagreements"]
-        # the rounding carry is lost: the worst example is off by a whole binade or more
-        worst = max(abs(d["theirs_value"] - d["emulator_value"]) / abs(d["emulator_value"])
-                    for d in tri["first_disagreements"] if d["emulator_value"])
-        assert worst >= 0.4
 
 
 def test_ci_runs_the_readme_test_command():

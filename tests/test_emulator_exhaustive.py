@@ -180,7 +180,7 @@ def test_float32_rne_lane_kernels_equal_the_general_kernel(sweep32):
     format allows, integer operations only otherwise): on the 17.5 M-input float32 sweep both
     give the general kernel's codes for every format they serve, both overflow rules (the 16-bit
     exhaustive test above holds them to the reference too)."""
-    from fp8sim._encode_core import fpu_rne_ok
+    from fp8sim._numba.encode_core import fpu_rne_ok
 
     served = [n for n in ALL_FORMATS if emulator._fast_path_ok(fp8sim.get_format(n), np.dtype(np.float32))]
     assert {"e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "fp16", "bf16"} <= set(served)

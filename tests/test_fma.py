@@ -1,11 +1,11 @@
-"""fp8sim._fma.square_add: d*d + s for a float32 d, fused or not, equals numpy's unfused float64
+"""fp8sim._numba.fma.square_add: d*d + s for a float32 d, fused or not, equals numpy's unfused float64
 d**2 + s bit for bit (the square of a float32 is exact in float64)."""
 
 import numba
 import numpy as np
 import pytest
 
-import fp8sim._fma as fma
+import fp8sim._numba.fma as fma
 
 
 def _operands():

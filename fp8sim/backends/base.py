@@ -41,6 +41,7 @@ Semantics shared by all backends (units and rounding):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -52,6 +53,7 @@ from fp8sim.formats import FloatFormat, get_format
 __all__ = [
     "GEMM_ACCUMULATIONS",
     "Backend",
+    "CastSpec",
     "AdamStepResult",
     "check_input",
     "check_codes",
@@ -158,6 +160,39 @@ def check_rounding(rounding: str, seed: Any) -> None:
         raise ValueError("rounding='stochastic' needs seed= (Philox key, counter = flat index)")
     if rounding != "stochastic" and seed is not None:
         raise ValueError(f"seed= is for rounding='stochastic', not {rounding!r}")
+
+
+@dataclass(frozen=True)
+class CastSpec:
+    """How one cast encodes, checked once when built: the target format (a name becomes its
+    :class:`FloatFormat`), ``rounding`` (one of ``fp8sim.ROUNDING_MODES``), the overflow rule
+    ``saturate``, and for ``rounding="stochastic"`` the Philox key ``seed`` (required) and the
+    number of random bits ``srbits`` (1..32, default 32). Invalid combinations raise
+    ``ValueError`` / ``TypeError`` here, so backends receive only valid specs."""
+
+    fmt: FloatFormat
+    rounding: str = "rne"
+    saturate: bool = True
+    seed: int | None = None
+    srbits: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fmt", get_format(self.fmt))
+        check_rounding(self.rounding, self.seed)
+        if not isinstance(self.saturate, (bool, np.bool_)):
+            raise TypeError(f"saturate must be True or False, got {self.saturate!r}")
+        object.__setattr__(self, "saturate", bool(self.saturate))
+        if self.srbits is not None:
+            if self.rounding != "stochastic":
+                raise ValueError(f"srbits= is for rounding='stochastic', not {self.rounding!r}")
+            k = self.srbits
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 32:
+                raise ValueError(f"srbits must be an int in 1..32, got {k!r}")
+
+    def encode_kwargs(self) -> dict[str, Any]:
+        """The keywords of ``fp8sim.encode`` for this cast (format not included)."""
+        return {"rounding": self.rounding, "saturate": self.saturate, "seed": self.seed,
+                "srbits": self.srbits}
 
 
 def check_scale_inv(scale_inv: Any, rows: int, cols: int, what: str, axis: str) -> torch.Tensor:
@@ -298,9 +333,10 @@ def check_adam_args(
 class Backend:
     """Interface of an FP8 backend (see the module docstring for the shared semantics).
 
-    Subclasses implement ``amax``, ``quantize_with_amax``, ``dequantize``,
-    ``cast_transpose_with_amax``, ``scaled_mm`` and ``adam_step``; the plain ``quantize`` and
-    ``cast_transpose`` drop the amax.
+    The public methods check their arguments once (a cast's in a :class:`CastSpec`) and call a
+    backend's hooks: ``_quantize``, ``_block_quantize``, optionally ``_cast_transpose``, and
+    ``dequantize``, ``scaled_mm``, ``_adam_step``; ``check_tensor`` adds device rules. The plain
+    ``quantize`` and ``cast_transpose`` drop the amax.
     """
 
     name: str = "base"
@@ -309,9 +345,16 @@ class Backend:
     gemm_accumulations: tuple[str, ...] = ()
 
     # -- casts -----------------------------------------------------------------------------
+    # The public cast methods check their arguments here, once, and call the backend's hooks
+    # (``_quantize``, ``_cast_transpose``, ``_block_quantize``) with a checked input and a
+    # :class:`CastSpec`.
+    def check_tensor(self, x: Any, what: str = "x") -> torch.Tensor:
+        """``x`` if this backend can take it (:func:`check_input`; backends add device rules)."""
+        return check_input(x, what)
+
     def amax(self, x: torch.Tensor) -> torch.Tensor:
         """``max |float32(x)|`` as a 0-d float32 tensor (NaN if any NaN; 0 if empty)."""
-        raise NotImplementedError(f"{self.name}: amax")
+        return amax_f32(self.check_tensor(x))
 
     def quantize_with_amax(
         self,
@@ -325,6 +368,14 @@ class Backend:
         srbits: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes, scale_inv, amax of x): ``codes = encode(float32(x) * float32(scale))``."""
+        x = self.check_tensor(x)
+        spec = CastSpec(fmt, rounding, saturate, seed, srbits)
+        return self._quantize(x, spec, as_scale(scale, tuple(x.shape), x.device))
+
+    def _quantize(self, x: torch.Tensor, spec: CastSpec, scale: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`quantize_with_amax` on a checked ``x`` and a float32 ``scale`` tensor
+        (:func:`as_scale`)."""
         raise NotImplementedError(f"{self.name}: quantize")
 
     def quantize(
@@ -373,7 +424,18 @@ class Backend:
         srbits: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes, codes_t, scale_inv, amax) for 2-D ``x``; ``codes_t = codes.T`` contiguous."""
-        raise NotImplementedError(f"{self.name}: cast_transpose")
+        x = self.check_tensor(x)
+        if x.dim() != 2:
+            raise ValueError(f"cast_transpose: x must be 2-D, got shape {tuple(x.shape)}")
+        spec = CastSpec(fmt, rounding, saturate, seed, srbits)
+        return self._cast_transpose(x, spec, as_scale(scale, tuple(x.shape), x.device))
+
+    def _cast_transpose(self, x: torch.Tensor, spec: CastSpec, scale: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`cast_transpose_with_amax` on checked arguments; by default :meth:`_quantize`
+        and a transposed copy of its codes."""
+        codes, scale_inv, amax = self._quantize(x, spec, scale)
+        return codes, codes.t().contiguous(), scale_inv, amax
 
     def cast_transpose(
         self,
@@ -409,7 +471,20 @@ class Backend:
         """(codes, scale_inv, amax) with just-in-time scales per group (``row``, ``col``,
         ``block:RxC``, ``mx``, ``mx:rceil``): exactly ``fp8sim.scaling.quantize_scaled`` (its
         rules, shapes and NaN handling); scale_inv and amax have the scaling module's grid
-        shape, as float32 tensors."""
+        shape, as float32 tensors. Granularity ``tensor`` is :meth:`quantize`'s job."""
+        from fp8sim.scaling import parse_granularity
+
+        x = self.check_tensor(x)
+        spec = CastSpec(fmt, rounding, saturate, seed, srbits)
+        if parse_granularity(granularity).kind == "tensor":
+            raise ValueError("block_quantize: granularity 'tensor' is quantize()'s job")
+        return self._block_quantize(x, spec, granularity, margin=margin, pow2=pow2,
+                                    epsilon=epsilon)
+
+    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, granularity: str, *,
+                        margin: float, pow2: bool, epsilon: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`block_quantize` on checked arguments."""
         raise NotImplementedError(f"{self.name}: block_quantize")
 
     # -- GEMM --------------------------------------------------------------------------------

@@ -19,13 +19,12 @@ from fp8sim.backends.base import (
     GEMM_ACCUMULATIONS,
     AdamStepResult,
     Backend,
+    CastSpec,
     amax_f32,
     as_scale,
     check_accumulate,
     check_codes,
-    check_input,
     check_mm,
-    check_rounding,
     check_scale_inv,
     decode_in_order,
     mm_float32,
@@ -43,27 +42,11 @@ class EmulatorBackend(Backend):
     name = "emulator"
     gemm_accumulations = GEMM_ACCUMULATIONS
 
-    def amax(self, x: torch.Tensor) -> torch.Tensor:
-        return amax_f32(check_input(x))
-
-    def quantize_with_amax(
-        self,
-        x: torch.Tensor,
-        fmt: FloatFormat | str,
-        scale: Any = 1.0,
-        *,
-        rounding: str = "rne",
-        saturate: bool = True,
-        seed: int | None = None,
-        srbits: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = check_input(x)
-        fmt = get_format(fmt)
-        check_rounding(rounding, seed)
-        s = as_scale(scale, tuple(x.shape), x.device)
-        y = x.detach().to(torch.float32) * s  # float32 product, rounded once
-        codes = encode(y.cpu(), fmt, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits)
-        return codes.to(x.device), reciprocal(s), amax_f32(x)
+    def _quantize(self, x: torch.Tensor, spec: CastSpec, scale: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = x.detach().to(torch.float32) * scale  # float32 product, rounded once
+        codes = encode(y.cpu(), spec.fmt, **spec.encode_kwargs())
+        return codes.to(x.device), reciprocal(scale), amax_f32(x)
 
     def dequantize(
         self,
@@ -83,48 +66,14 @@ class EmulatorBackend(Backend):
         codes = check_codes(codes, fmt)
         return decode_in_order(decode, codes.detach().cpu(), fmt).to(codes.device)
 
-    def cast_transpose_with_amax(
-        self,
-        x: torch.Tensor,
-        fmt: FloatFormat | str,
-        scale: Any = 1.0,
-        *,
-        rounding: str = "rne",
-        saturate: bool = True,
-        seed: int | None = None,
-        srbits: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if check_input(x).dim() != 2:
-            raise ValueError(f"cast_transpose: x must be 2-D, got shape {tuple(x.shape)}")
-        codes, scale_inv, amax = self.quantize_with_amax(
-            x, fmt, scale, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits
-        )
-        return codes, codes.t().contiguous(), scale_inv, amax
-
-    def block_quantize(
-        self,
-        x: torch.Tensor,
-        fmt: FloatFormat | str,
-        granularity: str = "block:1x128",
-        *,
-        margin: float = 0,
-        pow2: bool = False,
-        epsilon: float = 0.0,
-        rounding: str = "rne",
-        saturate: bool = True,
-        seed: int | None = None,
-        srbits: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, granularity: str, *,
+                        margin: float, pow2: bool, epsilon: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``fp8sim.scaling.quantize_scaled`` (just-in-time scales) on torch tensors."""
-        from fp8sim.scaling import parse_granularity, quantize_scaled
+        from fp8sim.scaling import quantize_scaled
 
-        x = check_input(x)
-        check_rounding(rounding, seed)
-        if parse_granularity(granularity).kind == "tensor":
-            raise ValueError("block_quantize: granularity 'tensor' is quantize()'s job")
-        st = quantize_scaled(x.detach().cpu(), fmt, granularity, margin=margin, pow2=pow2,
-                             epsilon=epsilon, rounding=rounding, saturate=saturate, seed=seed,
-                             srbits=srbits)
+        st = quantize_scaled(x.detach().cpu(), spec.fmt, granularity, margin=margin, pow2=pow2,
+                             epsilon=epsilon, **spec.encode_kwargs())
         dev = x.device
         return (torch.from_numpy(st.codes).to(dev),
                 torch.from_numpy(np.asarray(st.scale_inv, np.float32)).to(dev),

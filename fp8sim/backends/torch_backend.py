@@ -38,13 +38,12 @@ from fp8sim.backends.base import (
     GEMM_ACCUMULATIONS,
     AdamStepResult,
     Backend,
+    CastSpec,
     amax_f32,
     as_scale,
     check_accumulate,
     check_codes,
-    check_input,
     check_mm,
-    check_rounding,
     check_scale_inv,
     decode_in_order,
     mm_float32,
@@ -84,21 +83,19 @@ def _code_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint16)
 
 
-def _cast(y: torch.Tensor, fmt: FloatFormat, rounding: str, saturate: bool, seed: Any,
-          srbits: Any, may_have_nan: bool = True, in_range: bool = False) -> torch.Tensor:
-    """Codes of the float32 tensor ``y``: the emulator's ``encode(y, fmt, ...)``.
+def _cast(y: torch.Tensor, spec: CastSpec, may_have_nan: bool = True,
+          in_range: bool = False) -> torch.Tensor:
+    """Codes of the float32 tensor ``y``: the emulator's ``encode(y, spec.fmt, ...)``.
 
     ``may_have_nan=False`` (the caller knows ``y`` has no NaN, e.g. from a finite amax) skips
     the NaN-canonicalizing passes; ``in_range=True`` (the caller knows ``|y| <= fmt.max``)
     skips the saturating clamp, which would change nothing."""
-    check_rounding(rounding, seed)
-    if rounding != "rne":
+    fmt, saturate = spec.fmt, spec.saturate
+    if spec.rounding != "rne":
         raise NotImplementedError(
-            f"torch backend: rounding={rounding!r} (torch casts round to nearest even only; "
+            f"torch backend: rounding={spec.rounding!r} (torch casts round to nearest even only; "
             "stochastic and directed rounding need the emulator or triton backend)"
         )
-    if srbits is not None:
-        raise ValueError("srbits= is for rounding='stochastic'")
     dtype = _torch_dtype(fmt, "a cast")
     if not saturate and fmt.name in _SELF_SATURATING:
         raise NotImplementedError(
@@ -154,23 +151,8 @@ class TorchBackend(Backend):
     name = "torch"
     gemm_accumulations = GEMM_ACCUMULATIONS
 
-    def amax(self, x: torch.Tensor) -> torch.Tensor:
-        return amax_f32(check_input(x))
-
-    def quantize_with_amax(
-        self,
-        x: torch.Tensor,
-        fmt: FloatFormat | str,
-        scale: Any = 1.0,
-        *,
-        rounding: str = "rne",
-        saturate: bool = True,
-        seed: int | None = None,
-        srbits: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = check_input(x)
-        fmt = get_format(fmt)
-        s = as_scale(scale, tuple(x.shape), x.device)
+    def _quantize(self, x: torch.Tensor, spec: CastSpec, s: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         amax = amax_f32(x)  # NaN-propagating
         y = x.detach().to(torch.float32) * s
         # y is NaN-free when x is and the scale is finite and nonzero (else inf*0 = NaN); and
@@ -178,8 +160,8 @@ class TorchBackend(Backend):
         # the saturating clamp has nothing to do
         top = (amax * s).abs().amax()
         clean = bool(torch.isfinite(top)) and bool((s != 0).all())
-        codes = _cast(y, fmt, rounding, saturate, seed, srbits, may_have_nan=not clean,
-                      in_range=clean and bool(top <= fmt.max))
+        codes = _cast(y, spec, may_have_nan=not clean,
+                      in_range=clean and bool(top <= spec.fmt.max))
         return codes, reciprocal(s), amax
 
     def dequantize(
@@ -197,24 +179,6 @@ class TorchBackend(Backend):
     def decode(self, codes: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
         fmt = get_format(fmt)
         return decode_in_order(_decode_f32, check_codes(codes, fmt), fmt)
-
-    def cast_transpose_with_amax(
-        self,
-        x: torch.Tensor,
-        fmt: FloatFormat | str,
-        scale: Any = 1.0,
-        *,
-        rounding: str = "rne",
-        saturate: bool = True,
-        seed: int | None = None,
-        srbits: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if check_input(x).dim() != 2:
-            raise ValueError(f"cast_transpose: x must be 2-D, got shape {tuple(x.shape)}")
-        codes, scale_inv, amax = self.quantize_with_amax(
-            x, fmt, scale, rounding=rounding, saturate=saturate, seed=seed, srbits=srbits
-        )
-        return codes, codes.t().contiguous(), scale_inv, amax
 
     def scaled_mm(
         self,
@@ -279,10 +243,10 @@ class TorchBackend(Backend):
         denom = torch.sqrt(v / c["bias_correction2"]) + c["eps"]
         u = (m / c["bias_correction1"]) / denom
         w = w * c["decay"] - u * c["lr"]
-        fp16 = get_format("fp16")
-        new_param = _cast(w * s["param_scale"], fp16, rounding, saturate, seed, None)
-        new_m = _cast(m * s["exp_avg_scale"], fmt, rounding, saturate, seed, None)
-        new_v = _cast(v * s["exp_avg_sq_scale"], fp16, rounding, saturate, seed, None)
+        fp16 = CastSpec("fp16", rounding, saturate, seed)
+        new_param = _cast(w * s["param_scale"], fp16)
+        new_m = _cast(m * s["exp_avg_scale"], CastSpec(fmt, rounding, saturate, seed))
+        new_v = _cast(v * s["exp_avg_sq_scale"], fp16)
         param.copy_(new_param.view(torch.float16))
         exp_avg.copy_(new_m.view(exp_avg.dtype))
         exp_avg_sq.copy_(new_v.view(torch.float16))

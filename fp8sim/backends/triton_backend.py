@@ -17,11 +17,11 @@ import torch
 from fp8sim.backends.base import (
     AdamStepResult,
     Backend,
+    CastSpec,
     as_scale,
     check_codes,
     check_input,
     check_mm,
-    check_rounding,
     check_scale_inv,
     reciprocal,
 )
@@ -56,30 +56,19 @@ class TritonBackend(Backend):
         #: use the hardware fp8 casts / fp8 tensor-core dot where they compute the same thing
         self.native = native
 
-    def amax(self, x: torch.Tensor) -> torch.Tensor:
-        x = check_input(x)
-        _check_device(x, "x")
-        return _amax(x.detach())
+    def check_tensor(self, x: Any, what: str = "x") -> torch.Tensor:
+        x = check_input(x, what)
+        _check_device(x, what)
+        return x
 
-    def quantize_with_amax(
-        self,
-        x: torch.Tensor,
-        fmt: FloatFormat | str,
-        scale: Any = 1.0,
-        *,
-        rounding: str = "rne",
-        saturate: bool = True,
-        seed: int | None = None,
-        srbits: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = check_input(x)
-        _check_device(x, "x")
-        fmt = get_format(fmt)
-        check_rounding(rounding, seed)
-        s = as_scale(scale, tuple(x.shape), x.device)
-        codes, amax = _quantize(x.detach(), fmt, s, rounding=rounding, saturate=saturate,
-                                seed=seed, srbits=srbits, native=self.native)
-        return codes, reciprocal(s), amax
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        return _amax(self.check_tensor(x).detach())
+
+    def _quantize(self, x: torch.Tensor, spec: CastSpec, scale: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        codes, amax = _quantize(x.detach(), spec.fmt, scale, **spec.encode_kwargs(),
+                                native=self.native)
+        return codes, reciprocal(scale), amax
 
     def dequantize(
         self,
@@ -94,50 +83,19 @@ class TritonBackend(Backend):
         s = as_scale(scale_inv, tuple(codes.shape), codes.device, "scale_inv")
         return _dequantize(codes, fmt, s, out_dtype)
 
-    def cast_transpose_with_amax(
-        self,
-        x: torch.Tensor,
-        fmt: FloatFormat | str,
-        scale: Any = 1.0,
-        *,
-        rounding: str = "rne",
-        saturate: bool = True,
-        seed: int | None = None,
-        srbits: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = check_input(x)
-        _check_device(x, "x")
-        if x.dim() != 2:
-            raise ValueError(f"cast_transpose: x must be 2-D, got shape {tuple(x.shape)}")
-        fmt = get_format(fmt)
-        check_rounding(rounding, seed)
-        s = as_scale(scale, tuple(x.shape), x.device)
-        codes, codes_t, amax = _cast_transpose(x.detach(), fmt, s, rounding=rounding,
-                                               saturate=saturate, seed=seed, srbits=srbits)
-        return codes, codes_t, reciprocal(s), amax
+    def _cast_transpose(self, x: torch.Tensor, spec: CastSpec, scale: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        codes, codes_t, amax = _cast_transpose(x.detach(), spec.fmt, scale, **spec.encode_kwargs())
+        return codes, codes_t, reciprocal(scale), amax
 
-    def block_quantize(
-        self,
-        x: torch.Tensor,
-        fmt: FloatFormat | str,
-        granularity: str = "block:1x128",
-        *,
-        margin: float = 0,
-        pow2: bool = False,
-        epsilon: float = 0.0,
-        rounding: str = "rne",
-        saturate: bool = True,
-        seed: int | None = None,
-        srbits: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, granularity: str, *,
+                        margin: float, pow2: bool, epsilon: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See :meth:`Backend.block_quantize`; one kernel computes the group amaxes, scales and
         codes (``kernels.block_quantize``, which also returns MX scales as E8M0 codes)."""
-        x = check_input(x)
-        _check_device(x, "x")
-        check_rounding(rounding, seed)
         codes, scale_inv, amax, _ = _block_quantize(
-            x.detach(), fmt, granularity, margin=margin, pow2=pow2, epsilon=epsilon,
-            rounding=rounding, saturate=saturate, seed=seed, srbits=srbits,
+            x.detach(), spec.fmt, granularity, margin=margin, pow2=pow2, epsilon=epsilon,
+            **spec.encode_kwargs(),
         )
         return codes, scale_inv, amax
 

@@ -37,7 +37,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from fp8sim._jit import jit_kernel
+from fp8sim._numba.jit import jit_kernel
 from fp8sim.emulator import as_float_array
 from fp8sim.formats import FloatFormat, get_format
 

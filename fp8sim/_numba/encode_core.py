@@ -29,23 +29,30 @@ format has inf, else NaN, else the ``ERR_OVERFLOW`` sentinel (formats with no Na
 from __future__ import annotations
 
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from fp8sim._bitcast import add32, and32, bits_f32, f32_bits, or32, shl32, shr32, sub32
-from fp8sim._jit import jit_kernel, jit_scalar, serial_twin
+from fp8sim._numba.bitcast import add32, and32, bits_f32, f32_bits, or32, shl32, shr32, sub32
+from fp8sim._numba.jit import jit_kernel, jit_scalar, serial_twin
 from fp8sim.philox import randint_scalar
 
 __all__ = [
     "ERR_NAN",
     "ERR_OVERFLOW",
+    "FormatParams",
+    "NAN_IEEE",
+    "NAN_FN",
+    "NAN_FNUZ",
+    "NAN_NONE",
     "encode_fields",
     "encode_f32_kernel",
     "encode_f64_kernel",
-    "encode_fast_kernel",
+    "encode_fast",
     "encode_f32_rne_kernel",
     "decode_kernel",
 ]
@@ -56,37 +63,47 @@ ERR_OVERFLOW = -2  # overflow or inf, format has neither inf nor NaN, not satura
 # mode ids -- keep in sync with emulator.ROUNDING_IDS
 RNE, RNA, RTZ, UP, DOWN, ODD, STOCHASTIC = 0, 1, 2, 3, 4, 5, 6
 
-# params tuple layout (see emulator.format_params)
-# (mbits, emin, max_code, sign_mask, signed, has_subnormals, nan_kind, nan_code, inf_code)
-# nan_kind: 0 ieee, 1 fn, 2 fnuz, 3 none ; inf_code -1 when the format has no inf
+# nan_kind of a format: IEEE-style (all-ones exponent), "fn" (only the all-ones code),
+# "fnuz" (the negative-zero code), none
+NAN_IEEE, NAN_FN, NAN_FNUZ, NAN_NONE = 0, 1, 2, 3
+
+
+class FormatParams(NamedTuple):
+    """What the general kernels need of a format, as ints (numba takes a named tuple of ints,
+    not the dataclass): built by ``fp8sim.emulator.format_params``."""
+
+    mantissa_bits: int
+    emin: int
+    max_code: int
+    sign_mask: int
+    signed: int  # 0 / 1
+    has_subnormals: int  # 0 / 1
+    nan_kind: int  # NAN_IEEE / NAN_FN / NAN_FNUZ / NAN_NONE
+    nan_code: int  # the positive NaN code, -1 when there is none
+    inf_code: int  # the positive inf code, -1 when there is none
 
 
 @jit_scalar
 def _nan_code(neg, params):
     """The format's NaN with the input's sign where the format can carry it."""
-    sign_mask = params[3]
-    nan_kind = params[6]
-    nan_code = params[7]
-    if nan_kind == 3:
+    if params.nan_kind == NAN_NONE:
         return ERR_NAN
-    if nan_kind == 2:  # fnuz: the single NaN is the negative-zero code
-        return nan_code
-    if neg and params[4]:
-        return nan_code | sign_mask
-    return nan_code
+    if params.nan_kind == NAN_FNUZ:  # the single NaN is the negative-zero code
+        return params.nan_code
+    if neg and params.signed:
+        return params.nan_code | params.sign_mask
+    return params.nan_code
 
 
 @jit_scalar
 def _overflow_code(neg, params, saturate):
     """Result of an overflow that rounds away from zero (or of an infinite input)."""
-    max_code = params[2]
-    sign_mask = params[3]
-    sign = sign_mask if (neg and params[4]) else 0
+    sign = params.sign_mask if (neg and params.signed) else 0
     if saturate:
-        return max_code | sign
-    if params[8] >= 0:
-        return params[8] | sign
-    if params[6] == 3:
+        return params.max_code | sign
+    if params.inf_code >= 0:
+        return params.inf_code | sign
+    if params.nan_kind == NAN_NONE:
         return ERR_OVERFLOW
     return _nan_code(neg, params)
 
@@ -99,13 +116,13 @@ def encode_fields(neg, is_nan, is_inf, e, sig, p, params, mode, saturate, r, k):
     zero. ``r`` is a uint32 random word (top ``k`` bits used) for stochastic rounding.
     Returns the code (>= 0) or ``ERR_NAN`` / ``ERR_OVERFLOW``.
     """
-    mbits = params[0]
-    emin = params[1]
-    max_code = params[2]
-    sign_mask = params[3]
-    signed = params[4]
-    has_sub = params[5]
-    nan_kind = params[6]
+    mbits = params.mantissa_bits
+    emin = params.emin
+    max_code = params.max_code
+    sign_mask = params.sign_mask
+    signed = params.signed
+    has_sub = params.has_subnormals
+    nan_kind = params.nan_kind
 
     if is_nan:
         return _nan_code(neg, params)
@@ -114,7 +131,7 @@ def encode_fields(neg, is_nan, is_inf, e, sig, p, params, mode, saturate, r, k):
     if is_inf:
         return _overflow_code(neg, params, saturate)
     if sig == 0:
-        if neg and signed and has_sub and nan_kind != 2:
+        if neg and signed and has_sub and nan_kind != NAN_FNUZ:
             return sign_mask  # negative zero
         return 0  # +0, FNUZ's only zero, or E8M0's smallest value (it has no zero)
 
@@ -183,7 +200,7 @@ def encode_fields(neg, is_nan, is_inf, e, sig, p, params, mode, saturate, r, k):
             return _overflow_code(neg, params, saturate)
 
     # sign bit, except on FNUZ's zero (-0 has no code there)
-    keep_sign = np.int64(neg) & np.int64(signed) & (1 - (np.int64(code == 0) & np.int64(nan_kind == 2)))
+    keep_sign = np.int64(neg) & np.int64(signed) & (1 - (np.int64(code == 0) & np.int64(nan_kind == NAN_FNUZ)))
     return code | (keep_sign * sign_mask)
 
 
@@ -281,7 +298,7 @@ def decode_kernel(codes, table, out):
 def _fast_code(s, a, p, emax_in, bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
                inf_res, nan_code, fnuz, mode, r, k):
     """Code of the input with sign ``s`` (0/1) and magnitude bits ``a`` (int64), written as
-    selects so that loops over it vectorize; see :func:`encode_fast_kernel`.
+    selects so that loops over it vectorize; see :func:`encode_fast`.
 
     ``p``, ``emax_in``, ``bias_in`` describe the input: 23, 0xFF, 127 for float32; 52, 0x7FF,
     1023 for float64.
@@ -325,78 +342,55 @@ def _fast_code(s, a, p, emax_in, bias_in, mbits, emin, max_code, mag_bits, over_
     return code | ((s & (1 - drop_sign)) << mag_bits)
 
 
-@jit_kernel
-def encode_fast_kernel(xbits, out, p, emax_in, bias_in, mbits, emin, max_code, mag_bits,
-                       over_code, nan_code, fnuz, mode, saturate, rbits, use_rbits, k0, k1, k):
+def _fast_loop(mode: int, parallel: bool):
+    """The branch-free encode loop compiled for one rounding mode: ``mode`` is a constant of the
+    closure, so LLVM folds the mode's branches in :func:`_fast_code` and vectorizes (a mode
+    passed as an argument would reach the loop as a variable). ``parallel`` picks ``prange``
+    threads or the serial twin (see ``PARALLEL_MIN_ELEMENTS``)."""
+
+    @jit_kernel
+    def encode_fast_loop(xbits, out, p, emax_in, bias_in, mbits, emin, max_code, mag_bits,
+                         over_pos, over_neg, inf_res, nan_code, fz, rbits, use_rbits, k0, k1, k):
+        sbit = xbits.itemsize * 8 - 1  # the sign bit of the input word
+        amask = (np.int64(1) << sbit) - 1 if sbit < 63 else np.int64(0x7FFFFFFFFFFFFFFF)
+        for i in numba.prange(xbits.size):
+            u = xbits[i]
+            r = np.uint32(0)
+            if mode == STOCHASTIC:  # rbits given, else Philox inline, one word per flat index
+                r = np.uint32(rbits[i]) if use_rbits else np.uint32(randint_scalar(k0, k1, i))
+            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
+                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
+                                inf_res, nan_code, fz, mode, r, k)
+
+    return encode_fast_loop if parallel else serial_twin(encode_fast_loop)
+
+
+_FAST_LOOPS = {(mode, parallel): _fast_loop(mode, parallel)
+               for mode in (RNE, RNA, RTZ, UP, DOWN, ODD, STOCHASTIC) for parallel in (True, False)}
+
+
+def encode_fast(xbits, out, p, emax_in, bias_in, mbits, emin, max_code, mag_bits, over_code,
+                nan_code, fnuz, mode, saturate, rbits, use_rbits, k0, k1, k, parallel):
     """Branch-free twin of :func:`encode_f32_kernel` / :func:`encode_f64_kernel`, same results.
 
     Valid for a signed format with subnormals and a NaN (every FP8 format, e3m4, fp16, bf16,
     eXmY) whose ``emin`` lies inside the input's normal range (float32: ``emin >= -126``), so
     input subnormals need no normalizing. ``xbits``: uint32 (float32) or uint64 (float64) bit
-    patterns. ``over_code`` is what a non-saturating overflow becomes (inf code, else NaN code),
+    patterns; ``p``, ``emax_in``, ``bias_in`` describe them (23, 0xFF, 127 or 52, 0x7FF, 1023).
+    ``over_code`` is what a non-saturating overflow becomes (inf code, else NaN code),
     ``nan_code`` the positive NaN code, ``fnuz`` whether -0 has no code (zeros and the NaN then
-    carry no sign). One loop per mode, the mode a constant in each, so LLVM folds it and
-    vectorizes; the exhaustive tests hold this kernel to the reference.
+    carry no sign). Runs the loop compiled for ``mode`` (:func:`_fast_loop`), on threads when
+    ``parallel``; the exhaustive tests hold it to the reference.
     """
     # what an overflowing code becomes, per sign: max where saturating or rounding toward zero
-    clamp_pos = saturate or mode == RTZ or mode == ODD or mode == DOWN
-    clamp_neg = saturate or mode == RTZ or mode == ODD or mode == UP
+    clamp_pos = saturate or mode in (RTZ, ODD, DOWN)
+    clamp_neg = saturate or mode in (RTZ, ODD, UP)
     over_pos = max_code if clamp_pos else over_code
     over_neg = max_code if clamp_neg else over_code
     inf_res = max_code if saturate else over_code  # an infinite input
-    fz = np.int64(1) if fnuz else np.int64(0)
-    n = xbits.size
-    sbit = xbits.itemsize * 8 - 1  # the sign bit of the input word
-    amask = (np.int64(1) << sbit) - 1 if sbit < 63 else np.int64(0x7FFFFFFFFFFFFFFF)
-    if mode == STOCHASTIC and use_rbits:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, STOCHASTIC, np.uint32(rbits[i]), k)
-    elif mode == STOCHASTIC:  # Philox inline, one word per flat index
-        for i in numba.prange(n):
-            u = xbits[i]
-            r = np.uint32(randint_scalar(k0, k1, i))
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, STOCHASTIC, r, k)
-    elif mode == RNE:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, RNE, np.uint32(0), k)
-    elif mode == RNA:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, RNA, np.uint32(0), k)
-    elif mode == RTZ:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, RTZ, np.uint32(0), k)
-    elif mode == UP:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, UP, np.uint32(0), k)
-    elif mode == DOWN:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, DOWN, np.uint32(0), k)
-    elif mode == ODD:
-        for i in numba.prange(n):
-            u = xbits[i]
-            out[i] = _fast_code(np.int64(u >> sbit) & 1, np.int64(u) & amask, p, emax_in,
-                                bias_in, mbits, emin, max_code, mag_bits, over_pos, over_neg,
-                                inf_res, nan_code, fz, ODD, np.uint32(0), k)
+    _FAST_LOOPS[mode, parallel](xbits, out, p, emax_in, bias_in, mbits, emin, max_code, mag_bits,
+                                over_pos, over_neg, inf_res, nan_code, np.int64(bool(fnuz)), rbits,
+                                use_rbits, k0, k1, k)
 
 
 @intrinsic
@@ -449,7 +443,7 @@ def _rne_code_u32(typingctx, u, sh, half_m1, adj, mn, sub_base, mx, ov, nc, knan
 def encode_f32_rne_kernel(xbits, out, shift, adj, minnorm_bits, emin_b, max_code, over_code, nan_code, fnuz,
                           mag_bits):
     """Round to nearest even from float32 bit patterns in 32-bit lanes; the same codes as
-    :func:`encode_fast_kernel` in ``RNE`` mode for the formats it takes (all with mantissa
+    :func:`encode_fast` in ``RNE`` mode for the formats it takes (all with mantissa
     bits ``m <= 22`` and ``emin >= -126``).
 
     With ``a`` the magnitude bits of the input and ``shift = 23 - m``:
@@ -514,7 +508,7 @@ def encode_f32_rne_fpu_kernel(x, out, shift, adj, minnorm_bits, csub, max_code, 
     not matter. Huge ``a`` (``C``'s exponent beyond float32: the 32-bit add carries into the sign
     bit, so ``C`` is negative) gives ``r`` = inf, NaN or about ``a``, a code
     above max either way; then overflow, NaN and sign as in :func:`encode_f32_rne_kernel`. 32-bit
-    lanes throughout (:mod:`fp8sim._bitcast`).
+    lanes throughout (:mod:`fp8sim._numba.bitcast`).
 
     Assumes the FPU's default round-to-nearest-even mode (as numpy, torch and every Python
     process run): under ``fesetround`` toward zero or upward the two adds round differently and
@@ -545,8 +539,7 @@ def encode_f32_rne_fpu_kernel(x, out, shift, adj, minnorm_bits, csub, max_code, 
         out[i] = or32(code, shl32(and32(shr32(u, np.uint32(31)), keep), sb))
 
 
-# serial twins for small arrays (see fp8sim._jit.PARALLEL_MIN_ELEMENTS)
-encode_fast_kernel_serial = serial_twin(encode_fast_kernel)
+# serial twins for small arrays (see fp8sim._numba.jit.PARALLEL_MIN_ELEMENTS)
 encode_f32_rne_kernel_serial = serial_twin(encode_f32_rne_kernel)
 encode_f32_rne_fpu_kernel_serial = serial_twin(encode_f32_rne_fpu_kernel)
 encode_f32_kernel_serial = serial_twin(encode_f32_kernel)
