@@ -1,6 +1,6 @@
 """The bit-exact emulator: ``encode``, ``decode``, ``quantize`` -- the oracle of fp8sim.
 
-Semantics (the contract in DESIGN.md):
+Semantics (the contract in docs/numerics.md):
 
 * Inputs: numpy float16, bfloat16 (ml_dtypes), float32, float64 arrays, Python floats, or CPU
   torch tensors (torch in -> torch out), any shape, any strides. Each value is rounded once,

@@ -1,6 +1,6 @@
 """A slow, obviously-correct scalar reference for the emulator (the gfloat pattern).
 
-It shares no rounding code with ``fp8sim._encode_core``: instead of splitting bits, it lists every
+It shares no rounding code with ``fp8sim._numba.encode_core``: instead of splitting bits, it lists every
 representable magnitude of the format in increasing order (plus the "virtual" next value just past
 ``max``), finds the two neighbours of ``|x|`` with a binary search, and applies each rounding
 rule to real numbers. All arithmetic is exact in float64: the neighbours are <= 16-bit values in

@@ -30,7 +30,8 @@ Transformer Engine, cuDNN): ``e = ceil(log2(float32(amax * float32(1 / fmt.max))
 float32 descale rounded up to a power of two as ``cvt.rp.ue8m0`` does (it equals
 ``ceil(log2(amax / fmt.max))`` except within one float32 ulp of a power of two). ``e`` is clamped
 to E8M0's range ``[-127, 127]`` (amax 0 gives ``2**-127``). A block holding a NaN or an inf has a
-NaN scale (E8M0 code 0xFF), as the MX spec says for NaN and hardware does for both.
+NaN scale (E8M0 code 0xFF), as the MX spec says for NaN and torchao's ``to_mx`` does for both;
+Transformer Engine gives an inf block 0xFE (see docs/numerics.md).
 
 Cast (``quantize_scaled``): ``codes = encode(float32(float32(x) * scale))`` -- the input is taken
 to float32 first and the product rounded once to float32, as a GPU kernel does -- then encoded

@@ -3,7 +3,7 @@
 Why: Triton 3.9's interpreter converts float32 -> fp8e4nv wrongly (it loses the rounding carry)
 and decodes fp8 NaN/inf codes as finite numbers; the hardware casts exist for two formats and one
 rounding mode. Integer operations on the float32 bit pattern are exact everywhere, so
-:func:`encode_f32` is a line-by-line port of ``fp8sim._encode_core.encode_fields`` for float32
+:func:`encode_f32` is a line-by-line port of ``fp8sim._numba.encode_core.encode_fields`` for float32
 inputs (same fields: ``e`` the unbiased exponent, ``sig`` with the implicit bit, ``p = 23``) and
 gives the emulator's codes bit for bit in the interpreter and on the GPU. Like the emulator, a
 float32 subnormal input is first normalized (``sig`` shifted up, ``e`` its true exponent).
@@ -170,7 +170,7 @@ def encode_f32(y, r, M: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr
                MODE: tl.constexpr, SATURATE: tl.constexpr, K: tl.constexpr):
     """Codes (int32 block) of the float32 block ``y``; ``r`` a uint32 block (stochastic only).
 
-    Mirrors ``fp8sim._encode_core.encode_fields`` (see that docstring for the rules).
+    Mirrors ``fp8sim._numba.encode_core.encode_fields`` (see that docstring for the rules).
     """
     u = y.to(tl.uint32, bitcast=True)
     neg = (u >> 31) != 0

@@ -35,7 +35,7 @@ def test_sum_codes_is_one_rounding_of_the_exact_sum(n):
     want = fp8sim.encode(exact, E4M3, saturate=True)
     got, over = sum_codes(chunks, E4M3)
     assert np.array_equal(got.numpy(), want)
-    # E4M3 sums above 464 round above 448 (464 itself ties to the even 448): DESIGN.md
+    # E4M3 sums above 464 round above 448 (464 itself ties to the even 448): docs/numerics.md
     assert over == int((np.abs(exact) > 464).sum())
 
 

@@ -1,5 +1,5 @@
 """fp8sim.analysis.stats against an independent reference: the casts of ml_dtypes (RNE from float32, an
-independent library) with the scale rules written out from their definitions (DESIGN.md; OCP MX
+independent library) with the scale rules written out from their definitions (docs/numerics.md; OCP MX
 v1.0 for the shared scale), numpy for the sums. Nothing of fp8sim is used to make the expected
 figures, so these tests do not inherit a bug of the emulator the way the emulator-based ones
 (tests/test_analysis_stats.py) could.

@@ -263,7 +263,7 @@ def test_outputs_that_are_not_codes_are_refused_clearly():
 
 
 def current_scaling(x, fmt="e4m3", *, product_in_float64=False, scale_inv_from_amax=False):
-    """Per-tensor just-in-time scaling in numpy, written from the rule in DESIGN.md."""
+    """Per-tensor just-in-time scaling in numpy, written from the rule in docs/design.md (Scaling)."""
     x = np.asarray(x, np.float32)
     amax = np.float32(np.nanmax(np.abs(x))) if x.size and not np.isnan(x).all() else 0
     top = np.float32(fp8sim.get_format(fmt).max)
@@ -446,7 +446,7 @@ def test_codes_of_any_integer_width_or_as_bits_are_read():
 
 
 def test_tritons_own_cast_loses_the_carry_in_the_interpreter():
-    """The trap DESIGN.md names: ``x.to(tl.float8e4nv)`` on Triton's CPU interpreter turns
+    """The trap docs/design.md names: ``x.to(tl.float8e4nv)`` on Triton's CPU interpreter turns
     7.91 into 4.0. On a GPU (sm_89+: round to nearest even, saturating) it must pass."""
     triton = pytest.importorskip("triton")
     import triton.language as tl

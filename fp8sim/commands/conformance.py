@@ -18,7 +18,7 @@ MAX_PATTERNS = 1 << 26
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "conformance",
-        help="check torch / ml_dtypes / Triton casts against the emulator, bit for bit",
+        help="check torch / ml_dtypes / Triton casts against the emulator, code for code (any NaN code matches any NaN code)",
     )
     p.add_argument("--patterns", type=int, default=1 << 22,
                    help="float32 bit patterns in the sweep (default 2**22; 2**24 in the tests)")
