@@ -24,20 +24,14 @@ granularity's per-group amax -- a just-in-time scale needs them before the first
 format-independent figures (NaN/inf/zero counts, amax, sum x^2, the log2|x| histogram), which keep
 the cores busy while that pass streams the data from memory; pass B is one numba pass computing
 every variant's figures (and the format-independent ones when pass A did not run), block by block,
-so the data is read from memory once and each variant's cast reads the block from L1. A tensor that
-is one chunk, under tensor scaling or none only (the common case), takes both passes and the scales
-between them in one numba call (the scale rule is :func:`fp8sim.scaling.scale_multiplier`, the one
-``scale_from_amax`` runs): Python between the passes would run with caches the pass has just
-flushed. Inside a pass, a chunk is split into parts (by size) that the numba threads take in turn
+so the data is read from memory once and each variant's cast reads the block from L1. Inside a pass, a chunk is split into parts (by size) that the numba threads take in turn
 (``prange``), each part into L1-sized blocks whose loops are branch-free so LLVM vectorizes them;
 the cast works on float32 bit patterns in 32-bit lanes (RNE as an integer or FPU add at the
-quantum; see :mod:`analysis.stats_blocks`). Full float32 blocks under one scale for the whole
-tensor (tensor scaling, none) take :mod:`analysis.stats_full`: counts as comparisons of |x|'s bits
-against thresholds found once by bisection over the exact rounding, two variants per read.
+quantum; see :mod:`analysis.stats_blocks`).
 
 Counts are exact (tests compare them with ``quantize_scaled`` + ``dequantize``); the two sums are
 float64 accumulations in a fixed order (within blocks of 1024 elements: pairwise, the first
-levels in registers where the kernels read a block as four quarters; then block by
+levels in registers where the scan reads a full float32 block as four quarters; then block by
 block and part by part), equal to the exactly rounded sum to ~1e-12 relative, and independent of
 the thread count.
 """
@@ -52,8 +46,8 @@ import numpy as np
 
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import Granularity, mx_shared_scale, parse_granularity, scale_from_amax
-from fp8sim.scaling import scaled_format_max, view2d
-from fp8sim.analysis.stats_kernels import _HIGH_EXP, N_LOG2, _pass_a, _pass_b, _parts, _whole_tensor
+from fp8sim.scaling import view2d
+from fp8sim.analysis.stats_kernels import _HIGH_EXP, N_LOG2, _pass_a, _pass_b, _parts
 from fp8sim.abs_histogram import EXPONENT_MAX, EXPONENT_MIN
 
 __all__ = [
@@ -375,24 +369,10 @@ def tensor_stats(
     smin = np.full(len(variants), np.inf)
     smax = np.full(len(variants), -np.inf)
 
-    # ---- both passes in one numba call: a tensor read as one chunk, tensor scaling or none ----
-    # (the common case; no Python between the passes, which would run with cold caches)
     need_a = bool(grans)
-    one_call = need_a and numel <= chunk and all(g.kind == "tensor" for g in grans)
-    if one_call:
-        scaled_max = np.array([np.nan if v.scaling == "none" else scaled_format_max(v.fmt, v.margin)
-                               for v in variants], np.float32)  # fmt: skip
-        pow2 = np.array([v.pow2 for v in variants], np.bool_)
-        vint[:, 3] = np.arange(len(variants))
-        scanned, smin[:], vcounts[:], verr[:] = _whole_tensor(
-            read(0, numel), n, vint, vflt, scaled_max, pow2, _parts(numel))
-        _add_scan(scanned)
-        smax[:] = smin
-        if progress is not None:
-            progress(2 * numel)
 
     # ---- pass A (only when a variant needs a just-in-time scale): amaxes + the scan ----
-    for start in range(0, numel if need_a and not one_call else 0, chunk):
+    for start in range(0, numel if need_a else 0, chunk):
         xc = read(start, min(numel, start + chunk))
         # granularities the kernel tiles (tensor's amax comes from the scan's amax)
         tiled = [k for k, g in enumerate(grans) if g.kind != "tensor"]
@@ -432,7 +412,8 @@ def tensor_stats(
             with np.errstate(invalid="ignore", divide="ignore"):
                 return (np.float32(1) / sinv).astype(np.float32), sinv
         mult = scale_from_amax(gam, v.fmt, margin=v.margin, pow2=v.pow2).reshape(-1)
-        return mult, (np.float32(1) / mult).astype(np.float32)
+        with np.errstate(divide="ignore"):  # a scale that underflowed to 0: scale_inv inf
+            return mult, (np.float32(1) / mult).astype(np.float32)
 
     for k, v in enumerate(variants):  # MX groups whose scale is NaN (a NaN or inf): lost values
         gi, step = shapes[k][3], 1 << 22  # the scale rule itself, a slice of the grid at a time
@@ -442,9 +423,9 @@ def tensor_stats(
     whole_scales = {}  # variants with one scale for the whole tensor: computed once
     for k, v in enumerate(variants):
         r, _, gc, gi = shapes[k]
-        if vint[k, 8] and not one_call:
+        if vint[k, 8]:
             whole_scales[k] = chunk_scales(v, gi, 0, gc)
-    for start in range(0, 0 if one_call else numel, chunk):
+    for start in range(0, numel, chunk):
         xc = read(start, min(numel, start + chunk))
         sc_parts, si_parts = [], []
         off = 0

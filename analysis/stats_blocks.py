@@ -161,8 +161,7 @@ def _round_bits(ux, sc, shift, half_m1, keep, minnorm_bits, csub):
     grid, before saturation (``ux``: the bits of float32 |x|). In the normal range the rounding
     to m mantissa bits is the integer add ``(u + 2**(shift-1) - 1 + lsb) & keep`` (a carry moves
     into the exponent as it should); below ``min_normal`` the quantum is fixed and
-    ``(a + csub) - csub`` rounds to it in float32 (csub = 2**(emin - m + 23)). Non-decreasing in
-    ``ux`` for a positive finite ``sc`` (what :func:`_cast_thresholds` relies on)."""
+    ``(a + csub) - csub`` rounds to it in float32 (csub = 2**(emin - m + 23))."""
     a = np.float32(_bits_f32(ux) * sc)
     u = _f32_bits(a)
     ur = and32(add32(add32(u, half_m1), and32(shr32(u, shift), _ONE)), keep)
@@ -226,7 +225,7 @@ _INF_BITS = np.uint32(0x7F800000)
 def _squares_full_block_f32(xs, buf):
     """(max float32 bits of |x|, the sum of x^2) of a full float32 block without NaN/inf: the
     value :func:`_pairwise_sum` gives over the squares, its first two levels done in registers
-    (element k with k + 256, k + 512 and k + 768, as :mod:`analysis.stats_full`'s casts; the block is
+    (element k with k + 256, k + 512 and k + 768; the block is
     in L1 already, the exponent bytes having been counted), the first level's adds fused with a
     square (:mod:`fp8sim._fma`: the same value)."""
     x0 = xs[:_QUARTER]
