@@ -370,7 +370,7 @@ def test_zeros_in_lost_mx_blocks_are_neither_underflow_nor_subnormal():
 def test_group_range_holds_every_touched_group_and_no_whole_long_row():
     # brute force over small shapes, tiles and chunks: every group a chunk touches lies in the
     # range; along rows (r == 1, or a chunk inside one row) the range is exactly those groups
-    from fp8sim.analysis.stats import _group_range
+    from fp8sim.analysis.stats.figures import _group_range
 
     for m, n in [(1, 37), (3, 10), (7, 5), (4, 64)]:
         for r, c in [(1, 1), (1, 4), (2, 3), (3, 8), (m, n), (1, n)]:

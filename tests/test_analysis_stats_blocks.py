@@ -16,7 +16,7 @@ import pytest
 
 import fp8sim
 from fp8sim.analysis.stats import Variant, tensor_stats
-from fp8sim.analysis.stats_blocks import _BLOCK, _pairwise_sum, _squares_full_block_f32
+from fp8sim.analysis.stats.blocks import BLOCK as _BLOCK, pairwise_sum as _pairwise_sum, _squares_full_block_f32
 from fp8sim.scaling import scale_from_amax
 
 FORMATS = ["e4m3", "e5m2", "e3m4", "e4m3fnuz", "e5m2fnuz", "e2m1", "e3m2", "e2m3"]

@@ -24,10 +24,11 @@ granularity's per-group amax -- a just-in-time scale needs them before the first
 format-independent figures (NaN/inf/zero counts, amax, sum x^2, the log2|x| histogram), which keep
 the cores busy while that pass streams the data from memory; pass B is one numba pass computing
 every variant's figures (and the format-independent ones when pass A did not run), block by block,
-so the data is read from memory once and each variant's cast reads the block from L1. Inside a pass, a chunk is split into parts (by size) that the numba threads take in turn
-(``prange``), each part into L1-sized blocks whose loops are branch-free so LLVM vectorizes them;
+so the data is read from memory once and each variant's cast reads the block from L1. Inside a
+pass, a chunk is split into parts (by size) that the numba threads take in turn (``prange``),
+each part into L1-sized blocks whose loops are branch-free so LLVM vectorizes them;
 the cast works on float32 bit patterns in 32-bit lanes (RNE as an integer or FPU add at the
-quantum; see :mod:`analysis.stats_blocks`).
+quantum; see :mod:`analysis.stats.blocks`).
 
 Counts are exact (tests compare them with ``quantize_scaled`` + ``dequantize``); the two sums are
 float64 accumulations in a fixed order (within blocks of 1024 elements: pairwise, the first
@@ -47,7 +48,8 @@ import numpy as np
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import Granularity, mx_shared_scale, parse_granularity, scale_from_amax
 from fp8sim.scaling import view2d
-from fp8sim.analysis.stats_kernels import _HIGH_EXP, N_LOG2, _pass_a, _pass_b, _parts
+from fp8sim.analysis.stats.blocks import HIGH_EXP, N_LOG2
+from fp8sim.analysis.stats.passes import part_count, pass_a, pass_b
 from fp8sim.abs_histogram import EXPONENT_MAX, EXPONENT_MIN
 
 __all__ = [
@@ -218,10 +220,10 @@ class TensorStats:
 
 
 def _mant_exp(pair: np.ndarray) -> tuple[float, int]:
-    """A (low, high) sum pair as ``m * 2**e``: the high sum counts 2**_HIGH_EXP times its value."""
+    """A (low, high) sum pair as ``m * 2**e``: the high sum counts 2**HIGH_EXP times its value."""
     lo, hi = float(pair[0]), float(pair[1])
     if hi > 0:
-        return hi + math.ldexp(lo, -_HIGH_EXP), _HIGH_EXP
+        return hi + math.ldexp(lo, -HIGH_EXP), HIGH_EXP
     return lo, 0
 
 
@@ -283,7 +285,7 @@ def _group_range(start: int, size: int, n: int, r: int, c: int, gc: int) -> tupl
 
 def _variant_table(variants: Sequence[Variant], grans: list[Granularity], g_tiles: list,
                    m: int, n: int) -> tuple[np.ndarray, np.ndarray, list]:
-    """(vint, vflt) of :func:`analysis.stats_kernels._pass_b` for the variants (scale offsets
+    """(vint, vflt) of :func:`analysis.stats.passes._pass_b` for the variants (scale offsets
     and first groups left 0), and each variant's (R, C, Gc, index into grans; -1 for none)."""
     vint = np.zeros((len(variants), 11), np.int64)
     vflt = np.zeros((len(variants), 3), np.float64)
@@ -383,8 +385,8 @@ def tensor_stats(
             lo, hi = _group_range(start, xc.size, n, r, c, gc)
             gran[j] = (r, c, gc, lo)
             local_off[j + 1] = local_off[j] + (hi - lo + 1)
-        gam, gnn, scanned = _pass_a(xc, start, n, gran, local_off, int(local_off[-1]),
-                                    _parts(xc.size))  # fmt: skip
+        gam, gnn, scanned = pass_a(xc, start, n, gran, local_off, int(local_off[-1]),
+                                    part_count(xc.size))  # fmt: skip
         _add_scan(scanned)
         for j, k in enumerate(tiled):
             a, b = int(local_off[j]), int(local_off[j + 1])
@@ -447,7 +449,7 @@ def tensor_stats(
                 smax[k] = max(smax[k], float(fin.max()))
         scales = np.concatenate(sc_parts) if sc_parts else np.ones(1, np.float32)
         sinvs = np.concatenate(si_parts) if si_parts else np.ones(1, np.float32)
-        scanned, cnt, e2 = _pass_b(xc, start, n, vint, vflt, scales, sinvs, _parts(xc.size),
+        scanned, cnt, e2 = pass_b(xc, start, n, vint, vflt, scales, sinvs, part_count(xc.size),
                                    scan=not need_a)  # fmt: skip
         if scanned is not None:
             _add_scan(scanned)

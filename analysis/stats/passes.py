@@ -1,5 +1,5 @@
 """The numba passes behind :func:`analysis.stats.tensor_stats` (see its module docstring); the
-per-block kernels they run are in :mod:`analysis.stats_blocks`.
+per-block kernels they run are in :mod:`analysis.stats.blocks`.
 
 Pass A (only when a variant needs a just-in-time scale): each granularity's group amaxes and the
 format-independent figures (NaN/inf/zero counts, the finite amax, sum x^2, the log2|x|
@@ -11,7 +11,7 @@ L1.
 Each pass splits a chunk into parts whose number depends on the chunk's size only (``prange`` over
 the parts, taken by the threads in runs as they finish; each part writes only its outputs, summed
 in part order, so the figures depend neither on thread timing nor on the thread count), each part
-into blocks of ``_BLOCK`` elements. Float32 and float64 input give the same figures on the same
+into blocks of ``BLOCK`` elements. Float32 and float64 input give the same figures on the same
 values, to the last bit (tested).
 """
 
@@ -20,14 +20,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from fp8sim.analysis.stats_blocks import _BLOCK, _HIGH_EXP, N_HIST_COPIES, N_LOG2
-from fp8sim.analysis.stats_blocks import _cast, _pairwise_sum, _scan, _tile_amax
+from fp8sim.analysis.stats.blocks import BLOCK, HIGH_EXP, N_HIST_COPIES, N_LOG2
+from fp8sim.analysis.stats.blocks import cast_figures, pairwise_sum, scan_figures, tile_amax
 from fp8sim._jit import PARALLEL_MIN_ELEMENTS, jit_kernel, jit_serial, serial_twin
 from fp8sim.abs_histogram import EXPONENT_MIN
 
-__all__ = ["N_LOG2", "_HIGH_EXP", "_pass_a", "_pass_b", "_parts"]
+__all__ = ["pass_a", "pass_b", "part_count"]
 
-def _parts(n: int) -> int:
+def part_count(n: int) -> int:
     """Parts of a chunk of n elements: 64 Ki elements or more each, at most 64, whatever the
     thread count (so the figures, summed part by part in order, do not depend on it). The
     threads take runs of parts as they finish the previous run (``_run``): on a shared machine
@@ -37,12 +37,12 @@ def _parts(n: int) -> int:
 
 @jit_serial
 def _scan_range(x, s, e, buf, base, sig2, hist, hsub):
-    """The format-independent figures of elements [s, e), block by block (``_BLOCK`` elements
+    """The format-independent figures of elements [s, e), block by block (``BLOCK`` elements
     from s), added into base (nan, inf, zero, max float32 bits of the finite |x|), sig2 (low,
-    high sum of x^2), hist and hsub (see :func:`analysis.stats_blocks._scan_block`)."""
-    for b0 in range(s, e, _BLOCK):
-        b1 = min(e, b0 + _BLOCK)
-        n1, n2, n3, mb, q, qh = _scan(x[b0:b1], buf, hist, hsub)
+    high sum of x^2), hist and hsub (see :func:`analysis.stats.blocks._scan_block`)."""
+    for b0 in range(s, e, BLOCK):
+        b1 = min(e, b0 + BLOCK)
+        n1, n2, n3, mb, q, qh = scan_figures(x[b0:b1], buf, hist, hsub)
         base[0] += n1
         base[1] += n2
         base[2] += n3
@@ -63,9 +63,9 @@ def _add_copies(copies, hist):
 
 @jit_serial
 def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, base, sig2, hist, hsub):
-    """Pass A over elements [s, e) of the chunk: see :func:`_pass_a`."""
+    """Pass A over elements [s, e) of the chunk: see :func:`pass_a`."""
     copies = np.zeros((N_HIST_COPIES, 256), np.uint32)  # the part's scratch (in L1, no faults)
-    _scan_range(x, s, e, np.empty(_BLOCK, np.float64), base, sig2, copies, hsub)
+    _scan_range(x, s, e, np.empty(BLOCK, np.float64), base, sig2, copies, hsub)
     _add_copies(copies, hist)
     if gran.shape[0] == 0:
         return
@@ -83,7 +83,7 @@ def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, base, sig2, hist, 
             while cc < c + seg:
                 t = cc // C
                 stop = min((t + 1) * C, c + seg)
-                mb, nn = _tile_amax(x[i + cc - c : i + stop - c])
+                mb, nn = tile_amax(x[i + cc - c : i + stop - c])
                 if mb > gamax[row_base + t]:
                     gamax[row_base + t] = mb
                 gnan[row_base + t] += nn
@@ -155,14 +155,14 @@ def _scan_totals(base, sig2, hist, hsub):
     return tot, sq, log2
 
 
-def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
+def pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
     """The amaxes of one chunk's tiles for each tiled granularity, and its format-independent
     figures (pass B need not take them then: this pass reads memory at the bandwidth's pace and
     the scan keeps the cores busy meanwhile).
 
     x: the chunk (float32/float64), flat C-order elements i0 .. i0+x.size of the (M, ncols) view.
     gran[g] = (R, C, Gc, flat grid index of the first group this chunk can touch: see
-    stats._group_range); granularity g's local grid starts at
+    stats.figures._group_range); granularity g's local grid starts at
     local_off[g] in a per-part buffer of n_local entries.
     Returns gamax (P, n_local) group amax as float32 bits (NaN skipped, inf counted), gnan (P,
     n_local) NaN counts, and :func:`_scan_totals` of the chunk (its finite amax and inf count
@@ -188,13 +188,13 @@ def _kept_squares(xs, lost, out):
 @jit_serial
 def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, hist, hsub, counts,
             err2):  # fmt: skip
-    """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
-    buf = np.empty(_BLOCK, np.float64)
-    kept = np.empty(_BLOCK, np.float64)  # x^2 of the values not lost (variants with vint[v, 10])
+    """Pass B over elements [s, e) of the chunk: see :func:`pass_b`."""
+    buf = np.empty(BLOCK, np.float64)
+    kept = np.empty(BLOCK, np.float64)  # x^2 of the values not lost (variants with vint[v, 10])
     copies = np.zeros((N_HIST_COPIES, 256), np.uint32)  # the scan's exponent bytes (if scan)
     nv = vint.shape[0]
-    for b0 in range(s, e, _BLOCK):
-        b1 = min(e, b0 + _BLOCK)
+    for b0 in range(s, e, BLOCK):
+        b1 = min(e, b0 + BLOCK)
         if scan:
             _scan_range(x, b0, b1, buf, base, sig2, copies, hsub)
         for v in range(nv):
@@ -233,7 +233,7 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, his
                 if track:
                     _kept_squares(x[j : j + n_el], lost, kept[j - b0 : j - b0 + n_el])
                 if not lost:
-                    o, u, sb, qh = _cast(
+                    o, u, sb, qh = cast_figures(
                         x[j : j + n_el], sc, si, shift, half_m1, keep, max_bits, minnorm_bits,
                         csub, buf[j - b0 : j - b0 + n_el], fast32,
                     )  # fmt: skip
@@ -248,9 +248,9 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, his
                     r += 1
             # the block's squared errors, whatever its tiles: one pairwise sum (a column tile of
             # one element per row would otherwise add them one by one)
-            err2[v, 0] += _pairwise_sum(buf, b1 - b0)
+            err2[v, 0] += pairwise_sum(buf, b1 - b0)
             if track:
-                err2[v, 2] += _pairwise_sum(kept, b1 - b0)
+                err2[v, 2] += pairwise_sum(kept, b1 - b0)
     if scan:
         _add_copies(copies, hist)
 
@@ -285,23 +285,22 @@ def _variant_totals(counts, err2):
     return v_counts, v_err2
 
 
-def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
+def pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
     """Every variant's figures over one chunk (one read) and, with ``scan``, the
     format-independent figures (when pass A did not take them).
 
     vint[v] = (R, C, Gc, scale offset, shift = 23 - mantissa bits, float32 bits of fmt.max,
     float32 bits of fmt.min_normal, flat grid index of the chunk's first group
-    (stats._group_range), 1 if one scale covers the whole tensor, 1 if float32 blocks may take
-    :func:`analysis.stats_blocks._cast_block_f32`, 1 to sum the x^2 of the values not lost to a
-    NaN MX scale); vflt[v] = (2**(emin - m + 23), fmt.max,
-    fmt.min_normal). scales / sinvs: each variant's scales of the groups the chunk can touch,
+    (stats.figures._group_range), 1 if one scale covers the whole tensor, 1 if float32 blocks
+    may take :func:`analysis.stats.blocks._cast_block_f32`, 1 to sum the x^2 of the values not
+    lost to a NaN MX scale); vflt[v] = (2**(emin - m + 23), fmt.max, fmt.min_normal). scales / sinvs: each variant's scales of the groups the chunk can touch,
     flat (float32), variant v's from offset vint[v, 3]. Returns, summed over the parts
     (in part order, so the figures depend only on the part count): :func:`_scan_totals` (None
     without ``scan``), counts (V, 5) = overflow, finite values that round to 0 and that round
-    below min_normal (both with the zeros: see analysis.stats_blocks._cast_block), lost (NaN MX
+    below min_normal (both with the zeros: see analysis.stats.blocks._cast_block), lost (NaN MX
     scale), zeros among the lost; err2 (V, 3) = sum (deq - x)^2 as a (low, high) pair (see
-    stats._combine) and, for variants with vint[v, 10] (else 0), sum x^2 over the finite values
-    not lost (no "high" part: :func:`_kept_squares`).
+    stats.figures._combine) and, for variants with vint[v, 10] (else 0), sum x^2 over the finite
+    values not lost (no "high" part: :func:`_kept_squares`).
     """
     totals, counts, err2 = _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs,
                                 scan)  # fmt: skip
