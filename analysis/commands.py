@@ -284,8 +284,7 @@ def _histogram_plot(plot_dir, index: int, st, file: str) -> None:
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    from fp8sim.analysis.dumps import FLOAT_DTYPES, expand_paths, open_dump
-    from fp8sim.analysis.inputs import each_file_once
+    from fp8sim.analysis.dumps import FLOAT_DTYPES, each_file_once, expand_paths, open_dump
     from fp8sim.analysis.report import (
         Thresholds,
         escape_cell,
@@ -295,7 +294,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         parse_fail_on,
         sort_worst_first,
     )
-    from fp8sim.analysis.fp8_scales import parse_block, link_fp8_scales
+    from fp8sim.analysis.dumps import link_fp8_scales, parse_block
     from fp8sim.analysis.stats import parse_variants, tensor_stats
 
     from fp8sim.scaling import check_margin
@@ -461,7 +460,7 @@ def sort_worst_first_trace(rows: list[dict]) -> list[dict]:
 
 
 def _trace_table(rows: list[dict]) -> str:
-    from fp8sim.analysis.report import _table
+    from fp8sim.analysis.report import text_table
 
     body = [
         [r["status"], r["name"], r["role"], r["format"], str(r["steps"]),
@@ -470,7 +469,7 @@ def _trace_table(rows: list[dict]) -> str:
          f"{r['underflow_pct']:.3g}%", f"{r['worst_underflow_pct']:.3g}% @ {r['worst_underflow_step']}"]
         for r in rows
     ]  # fmt: skip
-    return _table(["status", "tensor", "role", "format", "steps", "max amax", "overflow",
+    return text_table(["status", "tensor", "role", "format", "steps", "max amax", "overflow",
                    "underflow", "worst underflow"], body, right={4, 5, 6, 7, 8})  # fmt: skip
 
 

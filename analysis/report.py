@@ -26,6 +26,7 @@ __all__ = [
     "sort_worst_first",
     "sqnr_value",
     "format_table",
+    "text_table",
     "FailRule",
     "parse_fail_on",
     "failures",
@@ -163,7 +164,9 @@ def escape_cell(text: str) -> str:
     return _UNSAFE.sub(_escape, text)
 
 
-def _table(headers: Sequence[str], rows: list[list[str]], right: set[int]) -> str:
+def text_table(headers: Sequence[str], rows: list[list[str]], right: set[int]) -> str:
+    """A plain-text table: columns padded to their widest cell, those in ``right`` (indices)
+    right-aligned, each cell escaped to one line (:func:`escape_cell`)."""
     rows = [[escape_cell(c) for c in row] for row in rows]  # one line per row, whatever a name holds
     widths = [len(h) for h in headers]
     for row in rows:
@@ -217,7 +220,7 @@ def format_table(records: list[dict[str, Any]], *, limit: int | None = None) -> 
                 _sqnr_cell(r),
             ]
         )
-    text = _table(headers, rows, right={4, 5, 6, 7, 8, 9, 10})
+    text = text_table(headers, rows, right={4, 5, 6, 7, 8, 9, 10})
     if limit is not None and len(records) > limit:
         text += f"\n... {len(records) - limit} more (use --top 0 for all, or --json)"
     return text
@@ -301,4 +304,4 @@ def format_replay_table(summaries: list[dict[str, Any]]) -> str:
             [s["policy"], str(s["events"]), ov, worst, f"{s['median_underflow_pct']:.3g}%", wu,
              f"{s['exact_pct']:.0f}%"]  # fmt: skip
         )
-    return _table(headers, rows, right={1, 2, 4, 6})
+    return text_table(headers, rows, right={1, 2, 4, 6})

@@ -342,7 +342,7 @@ def test_raw_pickle_with_code_is_refused_without_warnings(tmp_path):
 def _small_windows(monkeypatch, window=256, ahead=512):
     """Shrink the strided-copy window and read-ahead so small arrays take many pieces; record
     the byte span of every dropped piece and the element count of every strided copy."""
-    import fp8sim.analysis.dumps_strided as ds
+    import fp8sim.analysis.dumps.strided as ds
 
     monkeypatch.setattr(ds, "WINDOW_BYTES", window)
     monkeypatch.setattr(ds, "READAHEAD_BYTES", ahead)
@@ -357,7 +357,7 @@ def _small_windows(monkeypatch, window=256, ahead=512):
         seen["copies"].append(stop - start)
         return copy(arr, start, stop, **kw)
 
-    import fp8sim.analysis.dumps_torch as dt_mod
+    import fp8sim.analysis.dumps.torch_reader as dt_mod
 
     for mod in (ds, dt_mod):
         monkeypatch.setattr(mod, "drop_pages", drop_rec)
@@ -385,7 +385,7 @@ def test_fortran_arrays_read_exactly_and_bounded(tmp_path, monkeypatch, dtype):
     np.save(tmp_path / "f.npy", a)
     np.savez(tmp_path / "s.npz", a=a, b=a[:, :, 0])  # stored members
     np.savez_compressed(tmp_path / "z.npz", a=a)  # a deflated member: a stream, no mmap
-    import fp8sim.analysis.dumps as dumps_mod
+    import fp8sim.analysis.dumps.core as dumps_mod
 
     fetched = []
     stream = dumps_mod._stream_reader
@@ -457,7 +457,7 @@ def test_strided_pt_tensors_read_exactly_and_bounded(tmp_path, monkeypatch, lega
 
 
 def test_legacy_pt_that_cannot_be_laid_out_is_loaded_whole_with_a_note(tmp_path, monkeypatch, capsys):
-    import fp8sim.analysis.dumps_torch as dt_mod
+    import fp8sim.analysis.dumps.torch_reader as dt_mod
 
     x = torch.from_numpy(RNG.standard_normal((3, 4)))
     f = tmp_path / "old.pt"

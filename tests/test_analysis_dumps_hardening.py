@@ -317,7 +317,7 @@ def test_a_damaged_small_deflated_npz_member_is_no_header_fault(tmp_path):
 
 def test_a_fifo_named_config_json_is_never_opened(tmp_path):
     # read_json (config.json, *.index.json next to an FP8 checkpoint) only stats it: no hang
-    from fp8sim.analysis.fp8_companions import read_json
+    from fp8sim.analysis.dumps.fp8_companions import read_json
 
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)

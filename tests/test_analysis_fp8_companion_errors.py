@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from fp8sim.analysis.dumps import open_dump
-from fp8sim.analysis.fp8_scales import ScaledSource, link_fp8_scales
+from fp8sim.analysis.dumps import ScaledSource, link_fp8_scales
 
 NO_COMPANION = "FP8 codes analyzed as stored (no companion w_scale_inv or w_scale)"
 

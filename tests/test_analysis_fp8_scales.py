@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from fp8sim.analysis.dumps import open_dump
-from fp8sim.analysis.fp8_scales import ScaledSource, link_fp8_scales, parse_block
+from fp8sim.analysis.dumps import ScaledSource, link_fp8_scales, parse_block
 from fp8sim.analysis.stats import parse_variants, tensor_stats
 
 

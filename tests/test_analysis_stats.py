@@ -370,7 +370,7 @@ def test_zeros_in_lost_mx_blocks_are_neither_underflow_nor_subnormal():
 def test_group_range_holds_every_touched_group_and_no_whole_long_row():
     # brute force over small shapes, tiles and chunks: every group a chunk touches lies in the
     # range; along rows (r == 1, or a chunk inside one row) the range is exactly those groups
-    from fp8sim.analysis.stats import _group_range
+    from fp8sim.analysis.stats.figures import _group_range
 
     for m, n in [(1, 37), (3, 10), (7, 5), (4, 64)]:
         for r, c in [(1, 1), (1, 4), (2, 3), (3, 8), (m, n), (1, n)]:
@@ -405,23 +405,16 @@ def test_long_rows_cut_into_chunks_give_the_whole_tensor_figures():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_the_one_call_path_equals_the_two_pass_path(dtype, monkeypatch):
-    # a tensor read as one chunk with only tensor/none variants takes both passes in one numba
-    # call, the scales from fp8sim.scaling.scale_multiplier inside it; adding a row variant sends
-    # the same tensor through pass A, Python's scales and pass B: the same parts and blocks, so
-    # the shared variants' figures are equal to the last bit
-    import fp8sim.analysis.stats as stats_mod
-
+def test_tensor_scaling_figures_do_not_depend_on_the_other_variants(dtype):
+    # adding a row variant (tiled amaxes in pass A) leaves the tensor/none variants' figures as
+    # they are, to the last bit: the same parts and blocks, the same scales
     rng = np.random.default_rng(21)
     x = _awkward_float32(rng, 300_000).astype(dtype)
     fmt = fp8sim.get_format
     vs = [Variant(fmt("e4m3"), "tensor"), Variant(fmt("e5m2"), "tensor", 1.0, True),
           Variant(fmt("e3m2"), "tensor", -2.0), Variant(fmt("e4m3"), "none")]
     two = tensor_stats(x, vs + [Variant(fmt("e4m3"), "row")])
-    with monkeypatch.context() as m:  # the one-call path runs neither pass on its own
-        m.setattr(stats_mod, "_pass_a", None)
-        m.setattr(stats_mod, "_pass_b", None)
-        one = tensor_stats(x, vs)
+    one = tensor_stats(x, vs)
     f_one, f_two = _figures(one), _figures(two)
     assert f_one[0] == f_two[0] and f_one[1] == f_two[1][:4]
     # and the scales are the scaling module's: amax from the finite values (an inf among them)

@@ -1,9 +1,10 @@
-"""fp8sim.analysis.stats_full (and the scan's full-block sum in analysis.stats_blocks) against
-independent references.
+"""The block kernels of fp8sim.analysis.stats against independent references.
 
-The cast figures as thresholds on |x|'s bits (checked against a numpy RNE rounding, frexp/rint/
-ldexp, on both sides of every threshold), the full-block cast against the general kernel (bit for
-bit, sums included), the full-block sum of squares against the plain pairwise sum.
+The cast counts split |x|'s bits where a numpy RNE rounding (frexp/rint/ldexp) does, on both
+sides of every rounding edge; float32 blocks (the 32-bit kernels) give the float64 blocks' figures
+(the general kernel) bit for bit, sums included, edges, overflows, NaNs and infs among them;
+variants cast from one read give each variant's figures alone; the scan's full-block sum of
+squares equals the plain pairwise sum.
 """
 
 from __future__ import annotations
@@ -14,20 +15,11 @@ import numpy as np
 import pytest
 
 import fp8sim
-from fp8sim.analysis.stats_blocks import _BLOCK, _cast_block, _pairwise_sum, _squares_full_block_f32
-from fp8sim.analysis.stats_full import _cast_full_block_f32, _cast_full_pair_f32, _cast_thresholds
+from fp8sim.analysis.stats import Variant, tensor_stats
+from fp8sim.analysis.stats.blocks import BLOCK as _BLOCK, pairwise_sum as _pairwise_sum, _squares_full_block_f32
+from fp8sim.scaling import scale_from_amax
 
 FORMATS = ["e4m3", "e5m2", "e3m4", "e4m3fnuz", "e5m2fnuz", "e2m1", "e3m2", "e2m3"]
-
-
-def _params(fmt):
-    """The kernel parameters stats.py builds for a format (shift, half_m1, keep, max bits,
-    min_normal bits, csub)."""
-    m = fmt.mantissa_bits
-    shift = np.uint32(23 - m)
-    return (shift, np.uint32((1 << (22 - m)) - 1), ~np.uint32((1 << (23 - m)) - 1),
-            np.float32(fmt.max).view(np.uint32), np.float32(fmt.min_normal).view(np.uint32),
-            np.float32(2.0 ** (fmt.emin - m + 23)))  # fmt: skip
 
 
 def _numpy_rounded(ux, sc, fmt):
@@ -40,89 +32,112 @@ def _numpy_rounded(ux, sc, fmt):
     return np.ldexp(np.rint(np.ldexp(a, m - e)), e - m)
 
 
-def _scales(rng, fmt):
-    amax = np.float32(np.abs(rng.standard_normal()) * 2.0 ** rng.integers(-20, 20))
-    return [np.float32(1), np.float32(2.0**-7), np.float32(2.0**9),
-            np.float32(np.float32(fmt.max) / amax), np.float32(3e-30), np.float32(1e30),
-            np.float32(rng.uniform(0.5, 2.0))]  # fmt: skip
+def _edges(sc, fmt, top):
+    """The float32 magnitude bits, at most ``top``, where numpy's rounding of ``|x| * sc`` stops
+    rounding to 0, stops rounding below min_normal and starts overflowing (bisection over the
+    bits: the rounding is non-decreasing in them)."""
+    tests = [lambda q: q == 0, lambda q: q < fmt.min_normal, lambda q: q <= fmt.max]
+    out = []
+    for holds in tests:
+        lo, hi = 0, int(top)
+        with np.errstate(over="ignore"):
+            if holds(_numpy_rounded([hi], sc, fmt))[0]:
+                out.append(hi)
+                continue
+            while hi - lo > 1:  # invariant: lo holds, hi does not
+                mid = (lo + hi) // 2
+                if holds(_numpy_rounded([mid], sc, fmt))[0]:
+                    lo = mid
+                else:
+                    hi = mid
+        out.append(lo)
+    return out
+
+
+def _numpy_counts(x, sc, fmt):
+    """(overflow, underflow, subnormal) of the saturating cast of float32 ``x`` times ``sc``, by
+    numpy's rounding."""
+    fin = np.isfinite(x)
+    ux = np.abs(x[fin]).view(np.uint32)
+    with np.errstate(over="ignore"):
+        q = _numpy_rounded(ux, sc, fmt)
+    return (int((q > fmt.max).sum()), int(((ux != 0) & (q == 0)).sum()),
+            int(((q > 0) & (q < fmt.min_normal)).sum()))  # fmt: skip
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_thresholds_split_the_magnitudes_where_numpy_rounding_does(name):
+def test_counts_split_the_magnitudes_where_numpy_rounding_does(name):
+    # tensor scaling with several amaxes and margins (a negative margin makes values overflow):
+    # magnitudes in a window around each rounding edge and a spread below and above it
     fmt = fp8sim.get_format(name)
-    shift, half_m1, keep, max_bits, mn_bits, csub = _params(fmt)
     rng = np.random.default_rng(1)
     checked = 0
-    for sc in _scales(rng, fmt):
-        thr = np.zeros(3, np.int64)
-        _cast_thresholds(sc, shift, half_m1, keep, max_bits, mn_bits, csub, thr)
-        assert 0 <= thr[0] <= thr[1] <= thr[2] <= 0x7F7FFFFF
-        tests = [lambda q: q == 0, lambda q: q < fmt.min_normal, lambda q: q <= fmt.max]
-        for t, holds in zip(thr, tests):
-            # every magnitude in a window around the threshold, and a spread below and above
-            near = np.arange(max(0, t - 300), min(0x7F7FFFFF, t + 300) + 1)
-            spread = np.concatenate([rng.integers(0, t + 1, 200), rng.integers(t, 0x7F7FFFFF + 1, 200)])
-            ux = np.concatenate([near, spread, [0, t, 0x7F7FFFFF]]).astype(np.uint32)
-            with np.errstate(over="ignore"):
-                q = _numpy_rounded(ux, sc, fmt)
-            assert (holds(q) == (ux <= t)).all(), (name, sc, t)
-            checked += ux.size
+    for amax_exp, margin in ((0, 0.0), (-20, -3.0), (15, 2.0), (-5, -1.0), (8, 0.0)):
+        amax = np.float32(np.abs(rng.standard_normal()) * 2.0**amax_exp + 2.0**amax_exp)
+        sc = np.float32(scale_from_amax(amax, fmt, margin=margin))
+        top = int(amax.view(np.uint32))
+        parts = [np.array([0, top], np.int64)]
+        for t in _edges(sc, fmt, top):
+            parts.append(np.arange(max(0, t - 300), min(top, t + 300) + 1))
+            parts.append(rng.integers(0, t + 1, 200))
+            parts.append(rng.integers(t, top + 1, 200))
+        ux = np.concatenate(parts).astype(np.uint32)
+        x = ux.view(np.float32) * rng.choice([-1, 1], ux.size).astype(np.float32)
+        st = tensor_stats(x, [Variant(fmt, "tensor", margin)])
+        v = st.variants[0]
+        assert v.scale == float(sc)
+        assert (v.overflow, v.underflow, v.subnormal) == _numpy_counts(x, sc, fmt), (name, amax, margin)
+        checked += ux.size
     assert checked > 10_000
 
 
-def _block(rng, kind):
-    x = (rng.standard_normal(_BLOCK) * np.exp2(rng.integers(-30, 10, _BLOCK))).astype(np.float32)
-    x[rng.integers(0, _BLOCK, 20)] = 0.0
-    x[rng.integers(0, _BLOCK, 10)] = np.float32(2.0**-140) * rng.integers(1, 100, 10)  # subnormal
+def _block(rng, kind, n=4 * _BLOCK):
+    x = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 10, n))).astype(np.float32)
+    x[rng.integers(0, n, 20)] = 0.0
+    x[rng.integers(0, n, 10)] = np.float32(2.0**-140) * rng.integers(1, 100, 10)  # subnormal
     if kind == "overflow":
-        x[rng.integers(0, _BLOCK)] = 1e30
+        x[rng.integers(0, n)] = 1e30
     elif kind == "nan":
-        x[rng.integers(0, _BLOCK)] = np.nan
+        x[rng.integers(0, n)] = np.nan
     elif kind == "inf":
-        x[rng.integers(0, _BLOCK)] = -np.inf
+        x[rng.integers(0, n)] = -np.inf
     return x
+
+
+def _figures(st):
+    return ((st.nan, st.inf, st.zero, st.amax, st.sig2, st.log2_counts.tolist()),
+            [(v.overflow, v.underflow, v.subnormal, v.lost, v.err2, v.scale) for v in st.variants])  # fmt: skip
 
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("kind", ["plain", "overflow", "nan", "inf"])
-def test_full_block_cast_equals_the_general_kernel(name, kind):
+def test_float32_blocks_equal_the_general_kernel_at_the_rounding_edges(name, kind):
+    # float32 input takes the 32-bit kernels (a block with an overflow, a NaN or an inf redone by
+    # the general one); the same values as float64 take the general kernel: the same figures, the
+    # sums to the last bit, with magnitudes right at and just past each edge in every block
     fmt = fp8sim.get_format(name)
-    shift, half_m1, keep, max_bits, mn_bits, csub = _params(fmt)
     rng = np.random.default_rng(2)
-    buf = np.zeros(_BLOCK)
-    buf2 = np.zeros(_BLOCK)
-    seen_under = seen_sub = 0
-    for trial in range(6):
+    seen_under = seen_sub = seen_over = 0
+    for trial in range(3):
         x = _block(rng, kind)
-        fin = np.isfinite(x)
-        amax = np.float32(np.abs(x[fin]).max()) if kind == "plain" else np.float32(2.0**9)
-        for sc in (np.float32(np.float32(fmt.max) / amax), np.float32(2.0**-3), np.float32(1.7)):
-            si = np.float32(1) / sc
-            thr = np.zeros(3, np.int64)
-            _cast_thresholds(sc, shift, half_m1, keep, max_bits, mn_bits, csub, thr)
-            # magnitudes right at and just past each threshold, in every quarter of the block
+        amax = np.float32(np.abs(x[np.isfinite(x)]).max())
+        for margin in (0.0, 3.0, -2.5):
+            sc = np.float32(scale_from_amax(amax, fmt, margin=margin))
+            edges = np.array([t + d for t in _edges(sc, fmt, 0x7F7FFFFF) for d in (0, 1)], np.uint32)
             xb = x.copy()
-            edges = np.array([thr[0], thr[0] + 1, thr[1], thr[1] + 1, thr[2]], np.uint32)
-            for q in range(4):
+            for q in range(xb.size // (_BLOCK // 4)):
                 at = q * (_BLOCK // 4) + rng.choice(_BLOCK // 4, edges.size, replace=False)
                 xb[at] = edges.view(np.float32) * rng.choice([-1, 1], edges.size).astype(np.float32)
-            nxt = x[::-1].copy() if trial % 2 else x[:0]  # what it prefetches changes nothing
-            top, under, sub, err = _cast_full_block_f32(xb, nxt, sc, si, shift, csub, thr, buf)
-            ok = top <= thr[2]
-            assert top == np.abs(xb).view(np.uint32).max()
-            over, u2, s2, qh = _cast_block(xb, sc, si, shift, half_m1, keep, max_bits, mn_bits,
-                                           csub, buf2)  # fmt: skip
-            # handed back exactly when the general kernel sees an overflow, a NaN or an inf
-            assert ok == (over == 0 and np.isfinite(xb).all())
-            assert kind == "plain" or not ok  # 1e30 overflows under every scale here
-            if ok:
-                assert qh == 0.0
-                assert (under, sub) == (u2, s2)
-                assert err == _pairwise_sum(buf2, _BLOCK)  # the same float64 sum, bit for bit
-                seen_under += under - int((xb == 0).sum())  # the counts include the zeros
-                seen_sub += sub - under
+            vs = [Variant(fmt, "tensor", margin), Variant(fmt, "none")]
+            a = tensor_stats(xb, vs)
+            b = tensor_stats(xb.astype(np.float64), vs)
+            assert _figures(a) == _figures(b)
+            v = a.variants[0]
+            seen_under += v.underflow
+            seen_sub += v.subnormal
+            seen_over += v.overflow
     if kind == "plain":
-        assert seen_under > 0 and seen_sub > 0
+        assert seen_under > 0 and seen_sub > 0 and seen_over > 0
 
 
 def test_full_block_squares_equal_the_pairwise_sum():
@@ -138,22 +153,15 @@ def test_full_block_squares_equal_the_pairwise_sum():
 
 
 @pytest.mark.parametrize("pair", [("e4m3", "e5m2"), ("e2m1", "e4m3fnuz"), ("e3m4", "e3m4")])
-def test_paired_cast_equals_two_single_casts(pair):
-    # two variants in one read: each one's figures are the single kernel's, bit for bit
+def test_variants_cast_from_one_read_equal_each_alone(pair):
+    # every variant casts each block from one read: each one's figures are its figures alone,
+    # bit for bit
     rng = np.random.default_rng(4)
     fmts = [fp8sim.get_format(n) for n in pair]
-    bufs = [np.zeros(_BLOCK) for _ in range(4)]
-    for trial in range(8):
-        x = _block(rng, "overflow" if trial == 7 else "plain")
-        amax = np.float32(np.abs(x).max())
-        args = []
-        for f, extra in zip(fmts, (1.0, 0.37)):
-            shift, half_m1, keep, max_bits, mn_bits, csub = _params(f)
-            sc = np.float32(np.float32(f.max) / amax * np.float32(extra))
-            thr = np.zeros(3, np.int64)
-            _cast_thresholds(sc, shift, half_m1, keep, max_bits, mn_bits, csub, thr)
-            args.append((sc, np.float32(1) / sc, shift, csub, thr))
-        top, ua, sa, ea, ub, sb, eb = _cast_full_pair_f32(x, x[:0], *args[0], *args[1], bufs[0], bufs[1])
-        one_a = _cast_full_block_f32(x, x[:0], *args[0], bufs[2])
-        one_b = _cast_full_block_f32(x, x[:0], *args[1], bufs[3])
-        assert (top, ua, sa, ea) == one_a and (top, ub, sb, eb) == one_b
+    for trial in range(4):
+        x = _block(rng, "overflow" if trial == 3 else "plain")
+        vs = [Variant(fmts[0], "tensor"), Variant(fmts[1], "tensor", 1.4)]
+        both = _figures(tensor_stats(x, vs))
+        for k, v in enumerate(vs):
+            alone = _figures(tensor_stats(x, [v]))
+            assert both[0] == alone[0] and both[1][k] == alone[1][0]

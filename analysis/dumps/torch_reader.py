@@ -6,7 +6,7 @@ are no pickle torch can read (random bytes, a damaged pickle) are called that, w
 
 * Zip-format files (torch >= 1.6): ``torch.load(weights_only=True, mmap=True)``; tensors are read
   in chunks out of the mapping, dropping the mapped pages behind the reader. Non-contiguous
-  tensors are copied piece by piece (:mod:`analysis.dumps_strided`), never made contiguous whole.
+  tensors are copied piece by piece (:mod:`analysis.dumps.strided`), never made contiguous whole.
 * Legacy files (``_use_new_zipfile_serialization=False``), which torch cannot mmap: the pickles
   are read with the weights-only unpickler onto meta-device storages (no data), the storages'
   byte offsets are taken from the file's storage records, and tensors are read from the file by
@@ -31,16 +31,16 @@ from typing import Any
 
 import numpy as np
 
-from fp8sim.analysis.dumps import (
-    _RAW,
+from fp8sim.analysis.dumps.core import (
+    RAW_DTYPES,
     FLOAT_DTYPES,
     FP8_DTYPES,
     Dump,
     TensorSource,
-    _pread_reader,
-    _unique_names,
+    pread_reader,
+    unique_names,
 )
-from fp8sim.analysis.dumps_strided import copy_c_range, drop_pages, mmap_strided_reader, readahead
+from fp8sim.analysis.dumps.strided import copy_c_range, drop_pages, mmap_strided_reader, readahead
 
 __all__ = ["open_pt"]
 
@@ -157,9 +157,9 @@ def _legacy_reader(path: str, t: Any, dtype: str, offsets: dict[int, int]):
         raise ValueError(f"{path}: corrupt legacy .pt: a tensor reaches past its storage")
     offset = offsets[storage._cdata] + t.storage_offset() * isz
     if t.is_contiguous():
-        return _pread_reader(path, offset, _RAW[dtype], isz)
+        return pread_reader(path, offset, RAW_DTYPES[dtype], isz)
     strides = tuple(s * isz for s in t.stride())
-    return mmap_strided_reader(path, offset, tuple(t.shape), strides, _RAW[dtype])
+    return mmap_strided_reader(path, offset, tuple(t.shape), strides, RAW_DTYPES[dtype])
 
 
 #: most container entries and tensors a .pt may hold (a pickle of shared references can
@@ -323,7 +323,7 @@ def open_pt(path: str) -> Dump:
     skipped: list[tuple[str, str]] = []
     _flatten(obj, "", pairs, skipped, path=path)
     tensors = []
-    for name, t in _unique_names(pairs):
+    for name, t in unique_names(pairs):
         if t.layout != torch.strided:
             skipped.append((name, f"{str(t.layout).replace('torch.', '')} tensor (only dense tensors are read)"))
             continue
@@ -331,7 +331,7 @@ def open_pt(path: str) -> Dump:
         reader = None
         if dtype in FLOAT_DTYPES and t.device.type == "meta":
             reader = _legacy_reader(path, t, dtype, offsets)
-        elif dtype in _RAW:  # the float dtypes, and E8M0 (codes read only as companion scales)
+        elif dtype in RAW_DTYPES:  # the float dtypes, and E8M0 (codes read only as companion scales)
             reader = _torch_reader(t, dtype, mmapped)
         tensors.append(TensorSource(name, path, tuple(t.shape), dtype, reader))
     return Dump(path, "pt", tensors, skipped)

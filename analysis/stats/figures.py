@@ -24,20 +24,15 @@ granularity's per-group amax -- a just-in-time scale needs them before the first
 format-independent figures (NaN/inf/zero counts, amax, sum x^2, the log2|x| histogram), which keep
 the cores busy while that pass streams the data from memory; pass B is one numba pass computing
 every variant's figures (and the format-independent ones when pass A did not run), block by block,
-so the data is read from memory once and each variant's cast reads the block from L1. A tensor that
-is one chunk, under tensor scaling or none only (the common case), takes both passes and the scales
-between them in one numba call (the scale rule is :func:`fp8sim.scaling.scale_multiplier`, the one
-``scale_from_amax`` runs): Python between the passes would run with caches the pass has just
-flushed. Inside a pass, a chunk is split into parts (by size) that the numba threads take in turn
-(``prange``), each part into L1-sized blocks whose loops are branch-free so LLVM vectorizes them;
+so the data is read from memory once and each variant's cast reads the block from L1. Inside a
+pass, a chunk is split into parts (by size) that the numba threads take in turn (``prange``),
+each part into L1-sized blocks whose loops are branch-free so LLVM vectorizes them;
 the cast works on float32 bit patterns in 32-bit lanes (RNE as an integer or FPU add at the
-quantum; see :mod:`analysis.stats_blocks`). Full float32 blocks under one scale for the whole
-tensor (tensor scaling, none) take :mod:`analysis.stats_full`: counts as comparisons of |x|'s bits
-against thresholds found once by bisection over the exact rounding, two variants per read.
+quantum; see :mod:`analysis.stats.blocks`).
 
 Counts are exact (tests compare them with ``quantize_scaled`` + ``dequantize``); the two sums are
 float64 accumulations in a fixed order (within blocks of 1024 elements: pairwise, the first
-levels in registers where the kernels read a block as four quarters; then block by
+levels in registers where the scan reads a full float32 block as four quarters; then block by
 block and part by part), equal to the exactly rounded sum to ~1e-12 relative, and independent of
 the thread count.
 """
@@ -52,8 +47,9 @@ import numpy as np
 
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import Granularity, mx_shared_scale, parse_granularity, scale_from_amax
-from fp8sim.scaling import scaled_format_max, view2d
-from fp8sim.analysis.stats_kernels import _HIGH_EXP, N_LOG2, _pass_a, _pass_b, _parts, _whole_tensor
+from fp8sim.scaling import view2d
+from fp8sim.analysis.stats.blocks import HIGH_EXP, N_LOG2
+from fp8sim.analysis.stats.passes import part_count, pass_a, pass_b
 from fp8sim.trace import EXPONENT_MAX, EXPONENT_MIN
 
 __all__ = [
@@ -224,10 +220,10 @@ class TensorStats:
 
 
 def _mant_exp(pair: np.ndarray) -> tuple[float, int]:
-    """A (low, high) sum pair as ``m * 2**e``: the high sum counts 2**_HIGH_EXP times its value."""
+    """A (low, high) sum pair as ``m * 2**e``: the high sum counts 2**HIGH_EXP times its value."""
     lo, hi = float(pair[0]), float(pair[1])
     if hi > 0:
-        return hi + math.ldexp(lo, -_HIGH_EXP), _HIGH_EXP
+        return hi + math.ldexp(lo, -HIGH_EXP), HIGH_EXP
     return lo, 0
 
 
@@ -289,7 +285,7 @@ def _group_range(start: int, size: int, n: int, r: int, c: int, gc: int) -> tupl
 
 def _variant_table(variants: Sequence[Variant], grans: list[Granularity], g_tiles: list,
                    m: int, n: int) -> tuple[np.ndarray, np.ndarray, list]:
-    """(vint, vflt) of :func:`analysis.stats_kernels._pass_b` for the variants (scale offsets
+    """(vint, vflt) of :func:`analysis.stats.passes._pass_b` for the variants (scale offsets
     and first groups left 0), and each variant's (R, C, Gc, index into grans; -1 for none)."""
     vint = np.zeros((len(variants), 11), np.int64)
     vflt = np.zeros((len(variants), 3), np.float64)
@@ -375,24 +371,10 @@ def tensor_stats(
     smin = np.full(len(variants), np.inf)
     smax = np.full(len(variants), -np.inf)
 
-    # ---- both passes in one numba call: a tensor read as one chunk, tensor scaling or none ----
-    # (the common case; no Python between the passes, which would run with cold caches)
     need_a = bool(grans)
-    one_call = need_a and numel <= chunk and all(g.kind == "tensor" for g in grans)
-    if one_call:
-        scaled_max = np.array([np.nan if v.scaling == "none" else scaled_format_max(v.fmt, v.margin)
-                               for v in variants], np.float32)  # fmt: skip
-        pow2 = np.array([v.pow2 for v in variants], np.bool_)
-        vint[:, 3] = np.arange(len(variants))
-        scanned, smin[:], vcounts[:], verr[:] = _whole_tensor(
-            read(0, numel), n, vint, vflt, scaled_max, pow2, _parts(numel))
-        _add_scan(scanned)
-        smax[:] = smin
-        if progress is not None:
-            progress(2 * numel)
 
     # ---- pass A (only when a variant needs a just-in-time scale): amaxes + the scan ----
-    for start in range(0, numel if need_a and not one_call else 0, chunk):
+    for start in range(0, numel if need_a else 0, chunk):
         xc = read(start, min(numel, start + chunk))
         # granularities the kernel tiles (tensor's amax comes from the scan's amax)
         tiled = [k for k, g in enumerate(grans) if g.kind != "tensor"]
@@ -403,8 +385,8 @@ def tensor_stats(
             lo, hi = _group_range(start, xc.size, n, r, c, gc)
             gran[j] = (r, c, gc, lo)
             local_off[j + 1] = local_off[j] + (hi - lo + 1)
-        gam, gnn, scanned = _pass_a(xc, start, n, gran, local_off, int(local_off[-1]),
-                                    _parts(xc.size))  # fmt: skip
+        gam, gnn, scanned = pass_a(xc, start, n, gran, local_off, int(local_off[-1]),
+                                    part_count(xc.size))  # fmt: skip
         _add_scan(scanned)
         for j, k in enumerate(tiled):
             a, b = int(local_off[j]), int(local_off[j + 1])
@@ -432,7 +414,8 @@ def tensor_stats(
             with np.errstate(invalid="ignore", divide="ignore"):
                 return (np.float32(1) / sinv).astype(np.float32), sinv
         mult = scale_from_amax(gam, v.fmt, margin=v.margin, pow2=v.pow2).reshape(-1)
-        return mult, (np.float32(1) / mult).astype(np.float32)
+        with np.errstate(divide="ignore"):  # a scale that underflowed to 0: scale_inv inf
+            return mult, (np.float32(1) / mult).astype(np.float32)
 
     for k, v in enumerate(variants):  # MX groups whose scale is NaN (a NaN or inf): lost values
         gi, step = shapes[k][3], 1 << 22  # the scale rule itself, a slice of the grid at a time
@@ -442,9 +425,9 @@ def tensor_stats(
     whole_scales = {}  # variants with one scale for the whole tensor: computed once
     for k, v in enumerate(variants):
         r, _, gc, gi = shapes[k]
-        if vint[k, 8] and not one_call:
+        if vint[k, 8]:
             whole_scales[k] = chunk_scales(v, gi, 0, gc)
-    for start in range(0, 0 if one_call else numel, chunk):
+    for start in range(0, numel, chunk):
         xc = read(start, min(numel, start + chunk))
         sc_parts, si_parts = [], []
         off = 0
@@ -466,7 +449,7 @@ def tensor_stats(
                 smax[k] = max(smax[k], float(fin.max()))
         scales = np.concatenate(sc_parts) if sc_parts else np.ones(1, np.float32)
         sinvs = np.concatenate(si_parts) if si_parts else np.ones(1, np.float32)
-        scanned, cnt, e2 = _pass_b(xc, start, n, vint, vflt, scales, sinvs, _parts(xc.size),
+        scanned, cnt, e2 = pass_b(xc, start, n, vint, vflt, scales, sinvs, part_count(xc.size),
                                    scan=not need_a)  # fmt: skip
         if scanned is not None:
             _add_scan(scanned)

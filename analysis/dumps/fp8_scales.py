@@ -56,8 +56,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fp8sim.analysis.dumps import FLOAT_DTYPES, FP8_DTYPES, Dump, TensorSource
-from fp8sim.analysis.fp8_companions import SCALE_SUFFIXES, CompanionFinder, config_blocks, parse_block
+from fp8sim.analysis.dumps.core import FLOAT_DTYPES, FP8_DTYPES, Dump, TensorSource
+from fp8sim.analysis.dumps.fp8_companions import SCALE_SUFFIXES, CompanionFinder, config_blocks
+from fp8sim.analysis.dumps.fp8_companions import parse_block
 
 __all__ = ["SCALE_SUFFIXES", "DEFAULT_BLOCK", "parse_block", "link_fp8_scales", "ScaledSource"]
 
@@ -145,7 +146,7 @@ def _scale_values(comp: TensorSource) -> np.ndarray:
     if comp.dtype == _E8M0:
         from fp8sim.emulator import decode_table
 
-        codes = np.asarray(comp._read_raw(0, comp.numel)).view(np.uint8)
+        codes = np.asarray(comp.read_raw(0, comp.numel)).view(np.uint8)
         return decode_table("e8m0", np.float32)[codes].reshape(comp.shape)
     v = comp.read_all()
     # torch's q.float() * s: float64 for a float64 scale, but a 0-dim one is cast to float32
@@ -258,7 +259,7 @@ def _link_dump(dump: Dump, mode: str, block, finder: CompanionFinder, configs: d
         # (grid rows, column groups): rows over the leading dims
         grid = values.reshape(-1, values.shape[-1] if kind == "block" else 1)
         dump.tensors[k] = ScaledSource(
-            src.name, src.file, src.shape, src.dtype, src._read_raw, base=src, scale=grid, kind=kind,
+            src.name, src.file, src.shape, src.dtype, src.read_raw, base=src, scale=grid, kind=kind,
             block=blk, scale_name=comp.name, described=f"{comp.name}{where}: {what}",
         )  # fmt: skip
         taken.append((owner, comp))

@@ -6,9 +6,9 @@ Everything is untrusted input:
 * ``.pt``/``.pth`` load only through ``torch.load(..., weights_only=True)``: a pickle that wants
   to import or call code is refused with a clear message and never executed.
 * ``.npy``/``.npz`` load with ``allow_pickle=False`` semantics (object arrays are refused).
-* safetensors headers are parsed and checked (:mod:`analysis.dumps_safetensors`: no key twice,
-  sizes matching shapes, byte ranges tiling the data section exactly) before a byte of tensor
-  data is read.
+* safetensors headers are parsed and checked (:mod:`analysis.dumps.safetensors_reader`: no key
+  twice, sizes matching shapes, byte ranges tiling the data section exactly) before a byte of
+  tensor data is read.
 * Only regular files (or symbolic links to them) are opened: a named pipe, socket or device with
   a dump's name is refused by name, never opened (opening a FIFO blocks until a writer comes).
 * A stored (uncompressed) .npz member's CRC-32 is checked as its data is first read through
@@ -20,12 +20,12 @@ ranges (``read(start, stop)``) through ``os.pread`` (safetensors, .npy, stored .
 sequential decompressing stream (deflated .npz members), or torch's mmap with the pages dropped
 again after each range (.pt), so resident memory stays bounded by the chunk size, not the dump.
 Fortran-ordered arrays and non-contiguous tensors are copied out of a file mapping piece by piece
-(:mod:`analysis.dumps_strided`), which bounds them the same way.
+(:mod:`analysis.dumps.strided`), which bounds them the same way.
 
 Nested containers (dicts, lists, tuples in a .pt; ``/`` in npz member names) become dotted names:
 ``{"model": {"layers": [{"w": t}]}}`` -> ``model.layers.0.w``. Two entries of one file that come
 to the same name (key ``"a.b"`` next to ``{"a": {"b": ..}}``; members ``a/b.npy`` and ``a.b.npy``)
-are told apart as ``a.b`` and ``a.b#2`` (:func:`_unique_names`).
+are told apart as ``a.b`` and ``a.b#2`` (:func:`unique_names`).
 
 FP8 tensors (safetensors ``F8_E4M3``/``F8_E5M2``, torch's four float8 dtypes) read as the exact
 float32 values of their codes (NaN codes: NaN), as stored: no companion scale is applied.
@@ -45,8 +45,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from fp8sim.analysis.dumps_strided import fortran_strides, mmap_strided_reader, spilled_strided_reader
-from fp8sim.analysis.inputs import require_regular_file
+from fp8sim.analysis.dumps.strided import fortran_strides, mmap_strided_reader
+from fp8sim.analysis.dumps.strided import spilled_strided_reader
+from fp8sim.analysis.dumps.inputs import require_regular_file
 from fp8sim.trace import TraceReader, is_trace
 
 __all__ = [
@@ -57,6 +58,14 @@ __all__ = [
     "iter_dumps",
     "DUMP_SUFFIXES",
     "FLOAT_DTYPES",
+    "FP8_DTYPES",
+    # for the readers of each container (modules of this package)
+    "SAFETENSORS_DTYPES",
+    "ITEMSIZE",
+    "RAW_DTYPES",
+    "checked_numel",
+    "pread_reader",
+    "unique_names",
 ]
 
 #: file suffixes recognised inside directories (and ``pytorch_model*.bin``: see expand_paths)
@@ -70,22 +79,22 @@ FP8_DTYPES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float8_e4m3fnuz":
 #: dtypes the analysis reads (others are listed as skipped)
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64", *FP8_DTYPES)
 
-_ST_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
     "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
     "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
 }  # fmt: skip
-_ITEMSIZE = {
+ITEMSIZE = {
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2,
     "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1,
 }  # fmt: skip
-_RAW = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64,
-        **{name: np.uint8 for name in (*FP8_DTYPES, "float8_e8m0fnu")}}  # E8M0: scales only
+RAW_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32,
+              "float64": np.float64, **{name: np.uint8 for name in (*FP8_DTYPES, "float8_e8m0fnu")}}  # E8M0: scales only
 
 
-def _checked_numel(shape: Any, where: str) -> tuple[tuple[int, ...], int]:
+def checked_numel(shape: Any, where: str) -> tuple[tuple[int, ...], int]:
     """(shape as a tuple of ints, element count) of a shape read from a file. Entries must be
     non-negative ints (not bools, not floats); the count is an exact Python int (never wraps).
     Raises ValueError ``"<where>: corrupt: ..."`` otherwise."""
@@ -141,6 +150,11 @@ class TensorSource:
     def is_float(self) -> bool:
         return self.dtype in FLOAT_DTYPES
 
+    def read_raw(self, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` as stored (bfloat16 as uint16 bits, FP8 and E8M0 as uint8
+        codes, possibly big-endian): the reader this source was opened with, unchecked."""
+        return self._read_raw(start, stop)
+
     def read(self, start: int, stop: int) -> np.ndarray:
         """Elements ``[start, stop)`` of the flat C-order tensor as float32 (float16/bfloat16/
         float32/FP8 inputs, exact) or float64. Raises ValueError naming the file if the data cannot
@@ -177,7 +191,7 @@ class Dump:
     trace: TraceReader | None = None
 
 
-def _unique_names(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+def unique_names(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """Distinct names: a dotted name that comes again (key ``"a.b"`` next to ``{"a": {"b": ..}}``)
     becomes ``a.b#2``, ``a.b#3``, ... so no record is mistaken for another."""
     seen: dict[str, int] = {}
@@ -198,7 +212,7 @@ def _unique_names(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 # ------------------------------------------------------------------------------------------
 # byte ranges
 # ------------------------------------------------------------------------------------------
-def _pread_reader(path: str, offset: int, raw_dtype: Any, itemsize: int):
+def pread_reader(path: str, offset: int, raw_dtype: Any, itemsize: int):
     """read(start, stop) of elements at byte ``offset`` of ``path`` through os.pread."""
 
     def read(start: int, stop: int) -> np.ndarray:
@@ -223,7 +237,7 @@ def _pread_reader(path: str, offset: int, raw_dtype: Any, itemsize: int):
 # safetensors
 # ------------------------------------------------------------------------------------------
 def _open_safetensors(path: str) -> Dump:
-    from fp8sim.analysis.dumps_safetensors import open_safetensors  # header checks: see that module
+    from fp8sim.analysis.dumps.safetensors_reader import open_safetensors  # header checks there
 
     return open_safetensors(path)
 
@@ -272,7 +286,7 @@ def _open_npy(path: str) -> Dump:
         shape, fortran, dt = _npy_header(f, path)
         offset = f.tell()
     name, raw = _np_dtype_name(dt)
-    shape, numel = _checked_numel(shape, path)
+    shape, numel = checked_numel(shape, path)
     size = os.path.getsize(path)
     have = size - offset
     if numel * dt.itemsize > size:
@@ -289,7 +303,7 @@ def _open_npy(path: str) -> Dump:
         if _is_fortran_strided(fortran, shape):
             reader = mmap_strided_reader(path, offset, shape, fortran_strides(shape, dt.itemsize), raw)
         else:
-            reader = _pread_reader(path, offset, raw, dt.itemsize)
+            reader = pread_reader(path, offset, raw, dt.itemsize)
     return Dump(path, "npy", [TensorSource(Path(path).stem, path, shape, name, reader)])
 
 
@@ -420,7 +434,7 @@ def _open_npz(path: str) -> Dump:
             except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
                 raise _member_error(path, info, exc) from None
             name, raw = _np_dtype_name(dt)
-            shape, numel = _checked_numel(shape, f"{path}:{info.filename}")
+            shape, numel = checked_numel(shape, f"{path}:{info.filename}")
             if info.file_size - header_len != numel * dt.itemsize:
                 raise ValueError(
                     f"{path}: corrupt: .npz member {info.filename}: size does not match shape "
@@ -437,10 +451,10 @@ def _open_npz(path: str) -> Dump:
                     if strided or numel == 0:  # read out of file order (or nothing): check now
                         _read_member_through(path, info, 0, lambda b: None)
                         reader = (mmap_strided_reader(path, off, shape, strides, raw) if strided
-                                  else _pread_reader(path, off, raw, dt.itemsize))  # fmt: skip
+                                  else pread_reader(path, off, raw, dt.itemsize))  # fmt: skip
                     else:  # checked as the data is first read through, in order
                         where = f"{path}: corrupt .npz member {info.filename}"
-                        reader = _crc_checked(_pread_reader(path, off, raw, dt.itemsize),
+                        reader = _crc_checked(pread_reader(path, off, raw, dt.itemsize),
                                               _header_crc(zf, info, header_len), info.CRC,
                                               numel, where)  # fmt: skip
                 elif strided:  # C order out of a stream in storage order: spilled to disk once
@@ -451,7 +465,7 @@ def _open_npz(path: str) -> Dump:
                 else:
                     reader = _stream_reader(path, info, header_len, raw, dt.itemsize)
             tensors.append(TensorSource(member_name, path, shape, name, reader))
-    for src, (unique, _) in zip(tensors, _unique_names([(t.name, t) for t in tensors])):
+    for src, (unique, _) in zip(tensors, unique_names([(t.name, t) for t in tensors])):
         src.name = unique  # members a/b.npy and a.b.npy: a.b and a.b#2
     return Dump(path, "npz", tensors, skipped)
 
@@ -476,7 +490,7 @@ def _open_trace(path: str) -> Dump:
 # entry points
 # ------------------------------------------------------------------------------------------
 def _open_pt(path: str) -> Dump:
-    from fp8sim.analysis.dumps_torch import open_pt  # torch is imported only for .pt files
+    from fp8sim.analysis.dumps.torch_reader import open_pt  # torch is imported only for .pt files
 
     return open_pt(path)
 

@@ -1,18 +1,17 @@
 """The numba passes behind :func:`analysis.stats.tensor_stats` (see its module docstring); the
-per-block kernels they run are in :mod:`analysis.stats_blocks` and, for full float32 blocks under
-one whole-tensor scale, :mod:`analysis.stats_full`.
+per-block kernels they run are in :mod:`analysis.stats.blocks`.
 
 Pass A (only when a variant needs a just-in-time scale): each granularity's group amaxes and the
 format-independent figures (NaN/inf/zero counts, the finite amax, sum x^2, the log2|x|
 histogram), which keep the cores busy while the pass streams the data from memory. Pass B: every
 variant's cast figures (and the format-independent ones when pass A did not run), block by
 block, so each L1-sized block is loaded from memory once and every variant's cast reads it from
-L1. :func:`_whole_tensor`: both passes, and the whole-tensor scales between them, in one call.
+L1.
 
 Each pass splits a chunk into parts whose number depends on the chunk's size only (``prange`` over
 the parts, taken by the threads in runs as they finish; each part writes only its outputs, summed
 in part order, so the figures depend neither on thread timing nor on the thread count), each part
-into blocks of ``_BLOCK`` elements. Float32 and float64 input give the same figures on the same
+into blocks of ``BLOCK`` elements. Float32 and float64 input give the same figures on the same
 values, to the last bit (tested).
 """
 
@@ -21,17 +20,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from fp8sim.analysis.stats_blocks import _BLOCK, _HIGH_EXP, N_HIST_COPIES, N_LOG2
-from fp8sim.analysis.stats_blocks import _cast, _pairwise_sum, _scan, _tile_amax
-from fp8sim.analysis.stats_full import _cast_full, _cast_full_pair, _cast_thresholds
-from fp8sim._numba.bitcast import bits_f32
+from fp8sim.analysis.stats.blocks import BLOCK, HIGH_EXP, N_HIST_COPIES, N_LOG2
+from fp8sim.analysis.stats.blocks import cast_figures, pairwise_sum, scan_figures, tile_amax
 from fp8sim._numba.jit import PARALLEL_MIN_ELEMENTS, jit_kernel, jit_serial, serial_twin
-from fp8sim.scaling import scale_multiplier
 from fp8sim.trace import EXPONENT_MIN
 
-__all__ = ["N_LOG2", "_HIGH_EXP", "_pass_a", "_pass_b", "_parts"]
+__all__ = ["pass_a", "pass_b", "part_count"]
 
-def _parts(n: int) -> int:
+def part_count(n: int) -> int:
     """Parts of a chunk of n elements: 64 Ki elements or more each, at most 64, whatever the
     thread count (so the figures, summed part by part in order, do not depend on it). The
     threads take runs of parts as they finish the previous run (``_run``): on a shared machine
@@ -41,12 +37,12 @@ def _parts(n: int) -> int:
 
 @jit_serial
 def _scan_range(x, s, e, buf, base, sig2, hist, hsub):
-    """The format-independent figures of elements [s, e), block by block (``_BLOCK`` elements
+    """The format-independent figures of elements [s, e), block by block (``BLOCK`` elements
     from s), added into base (nan, inf, zero, max float32 bits of the finite |x|), sig2 (low,
-    high sum of x^2), hist and hsub (see :func:`analysis.stats_blocks._scan_block`)."""
-    for b0 in range(s, e, _BLOCK):
-        b1 = min(e, b0 + _BLOCK)
-        n1, n2, n3, mb, q, qh = _scan(x[b0:b1], buf, hist, hsub)
+    high sum of x^2), hist and hsub (see :func:`analysis.stats.blocks._scan_block`)."""
+    for b0 in range(s, e, BLOCK):
+        b1 = min(e, b0 + BLOCK)
+        n1, n2, n3, mb, q, qh = scan_figures(x[b0:b1], buf, hist, hsub)
         base[0] += n1
         base[1] += n2
         base[2] += n3
@@ -67,9 +63,9 @@ def _add_copies(copies, hist):
 
 @jit_serial
 def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, base, sig2, hist, hsub):
-    """Pass A over elements [s, e) of the chunk: see :func:`_pass_a`."""
+    """Pass A over elements [s, e) of the chunk: see :func:`pass_a`."""
     copies = np.zeros((N_HIST_COPIES, 256), np.uint32)  # the part's scratch (in L1, no faults)
-    _scan_range(x, s, e, np.empty(_BLOCK, np.float64), base, sig2, copies, hsub)
+    _scan_range(x, s, e, np.empty(BLOCK, np.float64), base, sig2, copies, hsub)
     _add_copies(copies, hist)
     if gran.shape[0] == 0:
         return
@@ -87,7 +83,7 @@ def _part_a(x, s, e, i0, ncols, gran, local_off, gamax, gnan, base, sig2, hist, 
             while cc < c + seg:
                 t = cc // C
                 stop = min((t + 1) * C, c + seg)
-                mb, nn = _tile_amax(x[i + cc - c : i + stop - c])
+                mb, nn = tile_amax(x[i + cc - c : i + stop - c])
                 if mb > gamax[row_base + t]:
                     gamax[row_base + t] = mb
                 gnan[row_base + t] += nn
@@ -103,7 +99,7 @@ def _run(kernel, x, n_parts, *args):
     one (a run of one part costs a few microseconds of scheduling and restarts the memory stream;
     a thread slowed down by the host still costs only its share). Below
     ``PARALLEL_MIN_ELEMENTS`` (one part) the kernel's serial twin runs (waking the thread pool
-    took 34 us where the whole one-call kernel on 4096 elements took 10.5 us serially). The
+    took 34 us where both passes on 4096 elements took 10.5 us serially). The
     schedule never changes the figures: each part writes its own outputs, summed in part order."""
     if x.size < PARALLEL_MIN_ELEMENTS:
         return _SERIAL_TWINS[kernel](x, n_parts, *args)
@@ -159,14 +155,14 @@ def _scan_totals(base, sig2, hist, hsub):
     return tot, sq, log2
 
 
-def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
+def pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
     """The amaxes of one chunk's tiles for each tiled granularity, and its format-independent
     figures (pass B need not take them then: this pass reads memory at the bandwidth's pace and
     the scan keeps the cores busy meanwhile).
 
     x: the chunk (float32/float64), flat C-order elements i0 .. i0+x.size of the (M, ncols) view.
     gran[g] = (R, C, Gc, flat grid index of the first group this chunk can touch: see
-    stats._group_range); granularity g's local grid starts at
+    stats.figures._group_range); granularity g's local grid starts at
     local_off[g] in a per-part buffer of n_local entries.
     Returns gamax (P, n_local) group amax as float32 bits (NaN skipped, inf counted), gnan (P,
     n_local) NaN counts, and :func:`_scan_totals` of the chunk (its finite amax and inf count
@@ -176,28 +172,6 @@ def _pass_a(x, i0, ncols, gran, local_off, n_local, n_parts):
     gnan = np.zeros((n_parts, n_local), np.int64)
     totals = _run(_pass_a_kernel, x, n_parts, i0, ncols, gran, local_off, gamax, gnan)
     return gamax, gnan, totals
-
-
-@jit_serial
-def _full_variants(f32, vint, vflt, scales, sinvs):
-    """The variants whose full float32 blocks go to :mod:`analysis.stats_full`'s kernels (one
-    positive finite scale for the whole tensor, a format :func:`_cast_block_f32` takes), two a
-    read: (their indices, int64, none unless ``f32`` (float32 input); thresholds (V, 3) of
-    :func:`_cast_thresholds`, rows of the others 0). Once per chunk."""
-    nv = vint.shape[0]
-    full = np.empty(nv, np.int64)
-    thr = np.zeros((nv, 3), np.int64)
-    n = 0
-    for v in range(nv if f32 else 0):
-        sc, si = scales[vint[v, 3]], sinvs[vint[v, 3]]
-        if vint[v, 8] and vint[v, 9] and 0 < sc < np.inf and 0 < si < np.inf:
-            shift = np.uint32(vint[v, 4])
-            _cast_thresholds(sc, shift, np.uint32((1 << (shift - 1)) - 1),
-                             ~np.uint32((1 << shift) - 1), np.uint32(vint[v, 5]),
-                             np.uint32(vint[v, 6]), np.float32(vflt[v, 0]), thr[v])  # fmt: skip
-            full[n] = v
-            n += 1
-    return full[:n], thr
 
 
 @jit_serial
@@ -212,51 +186,18 @@ def _kept_squares(xs, lost, out):
 
 
 @jit_serial
-def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base, sig2, hist,
-            hsub, counts, err2):  # fmt: skip
-    """Pass B over elements [s, e) of the chunk: see :func:`_pass_b`."""
-    buf = np.empty(_BLOCK, np.float64)
-    buf_b = np.empty(_BLOCK, np.float64)
-    kept = np.empty(_BLOCK, np.float64)  # x^2 of the values not lost (variants with vint[v, 10])
+def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base, sig2, hist, hsub, counts,
+            err2):  # fmt: skip
+    """Pass B over elements [s, e) of the chunk: see :func:`pass_b`."""
+    buf = np.empty(BLOCK, np.float64)
+    kept = np.empty(BLOCK, np.float64)  # x^2 of the values not lost (variants with vint[v, 10])
     copies = np.zeros((N_HIST_COPIES, 256), np.uint32)  # the scan's exponent bytes (if scan)
     nv = vint.shape[0]
-    n_full = full.size
-    done = np.zeros(nv, np.bool_)  # variants whose figures of the current block are taken
-    for b0 in range(s, e, _BLOCK):
-        b1 = min(e, b0 + _BLOCK)
+    for b0 in range(s, e, BLOCK):
+        b1 = min(e, b0 + BLOCK)
         if scan:
             _scan_range(x, b0, b1, buf, base, sig2, copies, hsub)
-        done[:] = False
-        if b1 - b0 == _BLOCK:
-            nxt = x[b1 : min(x.size, b1 + _BLOCK)]  # prefetched by the first kernel (past the
-            # part's end too: the next part is often this thread's next)
-            for j in range(0, n_full, 2):
-                a = full[j]
-                if j + 1 < n_full:
-                    b = full[j + 1]
-                    top, ua, sa, ea, ub, sb, eb = _cast_full_pair(
-                        x[b0:b1], nxt, scales[vint[a, 3]], sinvs[vint[a, 3]], np.uint32(vint[a, 4]),
-                        np.float32(vflt[a, 0]), thr[a], scales[vint[b, 3]], sinvs[vint[b, 3]],
-                        np.uint32(vint[b, 4]), np.float32(vflt[b, 0]), thr[b], buf, buf_b,
-                    )  # fmt: skip
-                    if top <= thr[b, 2]:  # no overflow, NaN or inf for b
-                        counts[b, 1] += ub
-                        counts[b, 2] += sb
-                        err2[b, 0] += eb
-                        done[b] = True
-                else:
-                    top, ua, sa, ea = _cast_full(x[b0:b1], nxt, scales[vint[a, 3]],
-                                                 sinvs[vint[a, 3]], np.uint32(vint[a, 4]),
-                                                 np.float32(vflt[a, 0]), thr[a], buf)  # fmt: skip
-                if top <= thr[a, 2]:
-                    counts[a, 1] += ua
-                    counts[a, 2] += sa
-                    err2[a, 0] += ea
-                    done[a] = True
-                nxt = x[b1:b1]  # asked for once
         for v in range(nv):
-            if done[v]:
-                continue
             R = vint[v, 0]
             C = vint[v, 1]
             Gc = vint[v, 2]
@@ -292,7 +233,7 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base
                 if track:
                     _kept_squares(x[j : j + n_el], lost, kept[j - b0 : j - b0 + n_el])
                 if not lost:
-                    o, u, sb, qh = _cast(
+                    o, u, sb, qh = cast_figures(
                         x[j : j + n_el], sc, si, shift, half_m1, keep, max_bits, minnorm_bits,
                         csub, buf[j - b0 : j - b0 + n_el], fast32,
                     )  # fmt: skip
@@ -307,26 +248,25 @@ def _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base
                     r += 1
             # the block's squared errors, whatever its tiles: one pairwise sum (a column tile of
             # one element per row would otherwise add them one by one)
-            err2[v, 0] += _pairwise_sum(buf, b1 - b0)
+            err2[v, 0] += pairwise_sum(buf, b1 - b0)
             if track:
-                err2[v, 2] += _pairwise_sum(kept, b1 - b0)
+                err2[v, 2] += pairwise_sum(kept, b1 - b0)
     if scan:
         _add_copies(copies, hist)
 
 
 @jit_kernel
-def _pass_b_kernel(x, n_parts, i0, ncols, vint, vflt, scales, sinvs, f32, scan):
+def _pass_b_kernel(x, n_parts, i0, ncols, vint, vflt, scales, sinvs, scan):
     nv = vint.shape[0]
     base, sig2, hist, hsub = _scan_buffers(n_parts)
     counts = np.zeros((n_parts, nv, 5), np.int64)
     err2 = np.zeros((n_parts, nv, 3), np.float64)
-    full, thr = _full_variants(f32, vint, vflt, scales, sinvs)
     per = (x.size + n_parts - 1) // n_parts
     for p in numba.prange(n_parts):
         s = min(x.size, p * per)
         e = min(x.size, s + per)
-        _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, full, thr, scan, base[p], sig2[p],
-                hist[p], hsub[p], counts[p], err2[p])  # fmt: skip
+        _part_b(x, s, e, i0, ncols, vint, vflt, scales, sinvs, scan, base[p], sig2[p], hist[p],
+                hsub[p], counts[p], err2[p])  # fmt: skip
     v_counts, v_err2 = _variant_totals(counts, err2)
     return _scan_totals(base, sig2, hist, hsub), v_counts, v_err2
 
@@ -345,75 +285,28 @@ def _variant_totals(counts, err2):
     return v_counts, v_err2
 
 
-@jit_kernel
-def _whole_tensor_kernel(x, n_parts, ncols, vint, vflt, scaled_max, pow2, f32):
-    """Pass A, every variant's scale and pass B of a float32/float64 tensor read as one chunk,
-    for variants whose one scale covers the whole tensor: none (``scaled_max`` NaN: scale 1)
-    or tensor scaling (:func:`fp8sim.scaling.scale_multiplier` of the finite amax, inf when the
-    tensor holds an inf: scale 1), in one call (no Python between the passes)."""
-    nv = vint.shape[0]
-    base, sig2, hist, hsub = _scan_buffers(n_parts)
-    no_tiles = np.zeros((0, 4), np.int64)
-    no_off = np.zeros(1, np.int64)
-    no_amax = np.zeros((n_parts, 0), np.uint32)
-    no_nan = np.zeros((n_parts, 0), np.int64)
-    per = (x.size + n_parts - 1) // n_parts
-    for p in numba.prange(n_parts):
-        s = min(x.size, p * per)
-        e = min(x.size, s + per)
-        _part_a(x, s, e, 0, ncols, no_tiles, no_off, no_amax[p], no_nan[p], base[p], sig2[p],
-                hist[p], hsub[p])  # fmt: skip
-    totals = _scan_totals(base, sig2, hist, hsub)
-    amax = np.float32(np.inf) if totals[0][1] else bits_f32(np.uint32(totals[0][3]))
-    scales = np.ones(nv, np.float32)
-    sinvs = np.ones(nv, np.float32)
-    for v in range(nv):
-        if scaled_max[v] == scaled_max[v]:
-            scales[v] = scale_multiplier(amax, scaled_max[v], np.float32(0), pow2[v])
-            sinvs[v] = np.float32(1) / scales[v]
-    full, thr = _full_variants(f32, vint, vflt, scales, sinvs)
-    counts = np.zeros((n_parts, nv, 5), np.int64)
-    err2 = np.zeros((n_parts, nv, 3), np.float64)
-    for p in numba.prange(n_parts):
-        s = min(x.size, p * per)
-        e = min(x.size, s + per)
-        _part_b(x, s, e, 0, ncols, vint, vflt, scales, sinvs, full, thr, False, base[p], sig2[p],
-                hist[p], hsub[p], counts[p], err2[p])  # fmt: skip
-    v_counts, v_err2 = _variant_totals(counts, err2)
-    return totals, scales, v_counts, v_err2
-
-
-def _pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
+def pass_b(x, i0, ncols, vint, vflt, scales, sinvs, n_parts, scan=True):
     """Every variant's figures over one chunk (one read) and, with ``scan``, the
     format-independent figures (when pass A did not take them).
 
     vint[v] = (R, C, Gc, scale offset, shift = 23 - mantissa bits, float32 bits of fmt.max,
     float32 bits of fmt.min_normal, flat grid index of the chunk's first group
-    (stats._group_range), 1 if one scale covers the whole tensor, 1 if float32 blocks may take
-    :func:`analysis.stats_blocks._cast_block_f32`, 1 to sum the x^2 of the values not lost to a
-    NaN MX scale); vflt[v] = (2**(emin - m + 23), fmt.max,
-    fmt.min_normal). scales / sinvs: each variant's scales of the groups the chunk can touch,
+    (stats.figures._group_range), 1 if one scale covers the whole tensor, 1 if float32 blocks
+    may take :func:`analysis.stats.blocks._cast_block_f32`, 1 to sum the x^2 of the values not
+    lost to a NaN MX scale); vflt[v] = (2**(emin - m + 23), fmt.max, fmt.min_normal). scales / sinvs: each variant's scales of the groups the chunk can touch,
     flat (float32), variant v's from offset vint[v, 3]. Returns, summed over the parts
     (in part order, so the figures depend only on the part count): :func:`_scan_totals` (None
     without ``scan``), counts (V, 5) = overflow, finite values that round to 0 and that round
-    below min_normal (both with the zeros: see analysis.stats_blocks._cast_block), lost (NaN MX
+    below min_normal (both with the zeros: see analysis.stats.blocks._cast_block), lost (NaN MX
     scale), zeros among the lost; err2 (V, 3) = sum (deq - x)^2 as a (low, high) pair (see
-    stats._combine) and, for variants with vint[v, 10] (else 0), sum x^2 over the finite values
-    not lost (no "high" part: :func:`_kept_squares`).
+    stats.figures._combine) and, for variants with vint[v, 10] (else 0), sum x^2 over the finite
+    values not lost (no "high" part: :func:`_kept_squares`).
     """
     totals, counts, err2 = _run(_pass_b_kernel, x, n_parts, i0, ncols, vint, vflt, scales, sinvs,
-                                x.dtype == np.float32, scan)  # fmt: skip
+                                scan)  # fmt: skip
     return (totals if scan else None), counts, err2
 
 
-# serial twins for small chunks (see fp8sim._jit.PARALLEL_MIN_ELEMENTS)
-_SERIAL_TWINS = {k: serial_twin(k) for k in (_pass_a_kernel, _pass_b_kernel, _whole_tensor_kernel)}
+# serial twins for small chunks (see fp8sim._numba.jit.PARALLEL_MIN_ELEMENTS)
+_SERIAL_TWINS = {k: serial_twin(k) for k in (_pass_a_kernel, _pass_b_kernel)}
 
-
-def _whole_tensor(x, ncols, vint, vflt, scaled_max, pow2, n_parts):
-    """Both passes over ``x``, the whole tensor as one chunk, when every variant has one scale
-    for the whole tensor (see :func:`_whole_tensor_kernel`; vint/vflt as for :func:`_pass_b`,
-    each variant's scale at offset v). Returns (:func:`_scan_totals`, scales (V,) float32,
-    counts, err2) as :func:`_pass_a` and :func:`_pass_b` would."""
-    return _run(_whole_tensor_kernel, x, n_parts, ncols, vint, vflt, scaled_max, pow2,
-                x.dtype == np.float32)

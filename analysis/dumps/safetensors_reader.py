@@ -10,7 +10,7 @@ The header is parsed and checked before a byte of tensor data is read:
   file). Tensors with no elements take no bytes; an entry whose dtype the analysis does not read
   is skipped, but its byte range still counts.
 
-Tensors are read lazily by ``os.pread`` (:func:`analysis.dumps._pread_reader`).
+Tensors are read lazily by ``os.pread`` (:func:`analysis.dumps.core.pread_reader`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import os
 import struct
 from typing import Any
 
-from fp8sim.analysis.dumps import _ITEMSIZE, _RAW, _ST_DTYPES, Dump, TensorSource, _checked_numel, _pread_reader
+from fp8sim.analysis.dumps.core import ITEMSIZE, RAW_DTYPES, SAFETENSORS_DTYPES, Dump, TensorSource
+from fp8sim.analysis.dumps.core import checked_numel, pread_reader
 
 __all__ = ["open_safetensors", "MAX_HEADER_BYTES"]
 
@@ -105,12 +106,12 @@ def open_safetensors(path: str) -> Dump:
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}: corrupt safetensors header entry {name!r}") from None
-        shape, numel = _checked_numel(raw_shape, f"{path}: {name!r}")
+        shape, numel = checked_numel(raw_shape, f"{path}: {name!r}")
         if begin < 0 or end < begin:
             raise ValueError(f"{path}: corrupt: safetensors {name!r} has data_offsets "
                              f"[{begin}, {end}]")  # fmt: skip
-        dtype = _ST_DTYPES.get(st_dtype)
-        if dtype is not None and end - begin != numel * _ITEMSIZE[dtype]:
+        dtype = SAFETENSORS_DTYPES.get(st_dtype)
+        if dtype is not None and end - begin != numel * ITEMSIZE[dtype]:
             raise ValueError(
                 f"{path}: corrupt: safetensors {name!r} has {end - begin} bytes for shape "
                 f"{list(shape)} of {st_dtype}"
@@ -125,8 +126,8 @@ def open_safetensors(path: str) -> Dump:
             skipped.append((name, f"unsupported dtype {st_dtype}"))
             continue
         reader = None
-        if dtype in _RAW:
-            reader = _pread_reader(path, data_start + begin, _RAW[dtype], _ITEMSIZE[dtype])
+        if dtype in RAW_DTYPES:
+            reader = pread_reader(path, data_start + begin, RAW_DTYPES[dtype], ITEMSIZE[dtype])
         tensors.append(TensorSource(name, path, shape, dtype, reader))
     _check_coverage(path, spans, data_size)
     return Dump(path, "safetensors", tensors, skipped)

@@ -1,10 +1,10 @@
-"""Block kernels of the analysis statistics (see :mod:`analysis.stats_kernels` for the passes
-that run them): per L1-sized block of a chunk, the format-independent figures (``_scan``) and one
-variant's cast figures (``_cast``), in float64 (general) and float32 (32-bit lanes) versions that
-give the same figures to the last bit; the fixed-order sums they use; the amax of a tile.
-
+"""Block kernels of the analysis statistics (see :mod:`analysis.stats.passes` for the passes
+that run them): per L1-sized block of a chunk, the format-independent figures
+(:func:`scan_figures`) and one variant's cast figures (:func:`cast_figures`, the one
+implementation of the cast), in float64 (general) and float32 (32-bit lanes) versions that give
+the same figures to the last bit; the fixed-order sums they use; the amax of a tile.
 Loops are branch-free so that LLVM vectorizes them. Float32 input takes kernels in 32-bit integer
-lanes (:func:`fp8sim._bitcast.add32` and friends: numba would widen uint32 arithmetic to 64 bits
+lanes (:func:`fp8sim._numba.bitcast.add32` and friends: numba would widen uint32 arithmetic to 64 bits
 and halve the lanes); float64 input the general kernels.
 """
 
@@ -19,8 +19,10 @@ from fp8sim._numba.bitcast import add32, and32, shr32
 from fp8sim._numba.bitcast import bits_f32 as _bits_f32
 from fp8sim._numba.bitcast import f32_bits as _f32_bits
 from fp8sim._numba.jit import jit_inline, jit_serial
-from fp8sim._numba.fma import square_add
 from fp8sim.trace import EXPONENT_MAX, EXPONENT_MIN
+
+__all__ = ["N_LOG2", "N_HIST_COPIES", "BLOCK", "HIGH_EXP", "pairwise_sum", "scan_figures",
+           "cast_figures", "tile_amax"]  # fmt: skip
 
 #: log2|x| histogram bins (floor(log2 float32(|x|)) - EXPONENT_MIN; the ends are sentinels)
 N_LOG2 = EXPONENT_MAX - EXPONENT_MIN + 1
@@ -29,24 +31,25 @@ N_LOG2 = EXPONENT_MAX - EXPONENT_MIN + 1
 N_HIST_COPIES = 8
 
 #: elements per inner block: the block, its float64 scratch and the histogram copies stay in L1
-_BLOCK = 1024
+BLOCK = 1024
 #: a full block is read as four quarters side by side, whose sums of squares fold in registers
 #: into the first two levels of the block's pairwise sum (:func:`_squares_full_block_f32`)
-_QUARTER = _BLOCK // 4
+_QUARTER = BLOCK // 4
 _MAG = np.uint32(0x7FFFFFFF)  # float32 magnitude bits
 _MIN_NORMAL32 = np.uint32(0x00800000)  # bits of 2**-126
 _ONE = np.uint32(1)
 _EXP_SHIFT = np.uint32(23)
 # squares of |v| >= _BIG (float64 only) could overflow a sum: they are summed as (v * _DOWN)^2
-# in a second, "high" sum worth _DOWN**-2 = 2**_HIGH_EXP times its value (see stats._combine);
+# in a second, "high" sum worth _DOWN**-2 = 2**HIGH_EXP times its value (see
+# stats.figures._combine);
 # the low sum stays below 2**1023 for up to 2**63 elements, the high one too
 _BIG = 2.0**480
 _DOWN = 2.0**-540
-_HIGH_EXP = 1080
+HIGH_EXP = 1080
 
 
 @jit_serial
-def _pairwise_sum(buf, m):
+def pairwise_sum(buf, m):
     """Pairwise sum of buf[:m] (a fixed order: deterministic), overwriting buf: each level adds
     the upper half onto the lower half elementwise (a loop LLVM vectorizes, where an ordered
     sum would run one scalar add at a time), down to 16 values summed in order."""
@@ -152,7 +155,7 @@ def _scan_block(xs, buf, hist, hsub):
     _count_exponent_bytes(xs, hist)
     if nsub:  # rare
         _bin_subnormals(xs, hsub)
-    return nan, inf, zero, mxb, _pairwise_sum(buf, m), sqh
+    return nan, inf, zero, mxb, pairwise_sum(buf, m), sqh
 
 
 @jit_inline
@@ -161,8 +164,7 @@ def _round_bits(ux, sc, shift, half_m1, keep, minnorm_bits, csub):
     grid, before saturation (``ux``: the bits of float32 |x|). In the normal range the rounding
     to m mantissa bits is the integer add ``(u + 2**(shift-1) - 1 + lsb) & keep`` (a carry moves
     into the exponent as it should); below ``min_normal`` the quantum is fixed and
-    ``(a + csub) - csub`` rounds to it in float32 (csub = 2**(emin - m + 23)). Non-decreasing in
-    ``ux`` for a positive finite ``sc`` (what :func:`_cast_thresholds` relies on)."""
+    ``(a + csub) - csub`` rounds to it in float32 (csub = 2**(emin - m + 23))."""
     a = np.float32(_bits_f32(ux) * sc)
     u = _f32_bits(a)
     ur = and32(add32(add32(u, half_m1), and32(shr32(u, shift), _ONE)), keep)
@@ -225,10 +227,10 @@ _INF_BITS = np.uint32(0x7F800000)
 @jit_serial
 def _squares_full_block_f32(xs, buf):
     """(max float32 bits of |x|, the sum of x^2) of a full float32 block without NaN/inf: the
-    value :func:`_pairwise_sum` gives over the squares, its first two levels done in registers
-    (element k with k + 256, k + 512 and k + 768, as :mod:`analysis.stats_full`'s casts; the block is
-    in L1 already, the exponent bytes having been counted), the first level's adds fused with a
-    square (:mod:`fp8sim._fma`: the same value)."""
+    value :func:`pairwise_sum` gives over the squares, its first two levels done in registers
+    (element k with k + 256, k + 512 and k + 768; the block is
+    in L1 already, the exponent bytes having been counted); a float32's square is exact in float64,
+    so the first level's adds are the only roundings, as in the pairwise sum."""
     x0 = xs[:_QUARTER]
     x1 = xs[_QUARTER : 2 * _QUARTER]
     x2 = xs[2 * _QUARTER : 3 * _QUARTER]
@@ -238,10 +240,12 @@ def _squares_full_block_f32(xs, buf):
         m01 = max(and32(_f32_bits(x0[k]), _MAG), and32(_f32_bits(x1[k]), _MAG))
         m23 = max(and32(_f32_bits(x2[k]), _MAG), and32(_f32_bits(x3[k]), _MAG))
         mxb = max(mxb, max(m01, m23))
+        v0 = np.float64(x0[k])  # a float32's square is exact in float64
+        v1 = np.float64(x1[k])
         v2 = np.float64(x2[k])
         v3 = np.float64(x3[k])
-        buf[k] = square_add(x0[k], v2 * v2) + square_add(x1[k], v3 * v3)  # (x0^2 + x2^2) + ...
-    return mxb, _pairwise_sum(buf, _QUARTER)
+        buf[k] = (v0 * v0 + v2 * v2) + (v1 * v1 + v3 * v3)  # (x0^2 + x2^2) + (x1^2 + x3^2)
+    return mxb, pairwise_sum(buf, _QUARTER)
 
 
 @jit_serial
@@ -269,15 +273,15 @@ def _scan_block_f32(xs, buf, hist, hsub):
             mxb = max(mxb, u if fin else np.uint32(0))
             v = np.float64(xs[k] if fin else np.float32(0))
             buf[k] = v * v
-        sq = _pairwise_sum(buf, m)
-    elif m == _BLOCK:
+        sq = pairwise_sum(buf, m)
+    elif m == BLOCK:
         mxb, sq = _squares_full_block_f32(xs, buf)
     else:
         for k in range(m):
             mxb = max(mxb, and32(_f32_bits(xs[k]), _MAG))
             v = np.float64(xs[k])
             buf[k] = v * v
-        sq = _pairwise_sum(buf, m)
+        sq = pairwise_sum(buf, m)
     if n_low:
         for k in range(m):
             zero += np.int64(and32(_f32_bits(xs[k]), _MAG) == np.uint32(0))
@@ -326,25 +330,25 @@ def _cast_block_f32(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, cs
     return np.uint32(0), under, sub, 0.0
 
 
-def _scan(xs, buf, hist, hsub):
+def scan_figures(xs, buf, hist, hsub):
     """:func:`_scan_block` or, for float32 blocks, :func:`_scan_block_f32` (chosen at compile
     time, inside numba code only)."""
     raise NotImplementedError("numba-only dispatcher")
 
 
-def _cast(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf, fast32):
+def cast_figures(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf, fast32):
     """:func:`_cast_block` or, for float32 blocks of a format it takes (``fast32``),
     :func:`_cast_block_f32` (numba code only)."""
     raise NotImplementedError("numba-only dispatcher")
 
 
-@overload(_scan)
+@overload(scan_figures)
 def _scan_impl(xs, buf, hist, hsub):
     kernel = _scan_block_f32 if xs.dtype == types.float32 else _scan_block
     return lambda xs, buf, hist, hsub: kernel(xs, buf, hist, hsub)
 
 
-@overload(_cast)
+@overload(cast_figures)
 def _cast_impl(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf, fast32):
     if xs.dtype != types.float32:
         return lambda xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, buf, fast32: (
@@ -361,7 +365,7 @@ def _cast_impl(xs, sc, si, shift, half_m1, keep, max_bits, minnorm_bits, csub, b
 
 
 @jit_serial
-def _tile_amax(xs):
+def tile_amax(xs):
     """(max float32 bits of |x| over non-NaN elements (inf included), NaN count) of a tile."""
     mxb = np.uint32(0)
     nan = 0

@@ -1,5 +1,5 @@
 """Where an FP8 tensor's companion scale is, and which block shape a checkpoint declares: the
-lookups behind :mod:`analysis.fp8_scales` (see its docstring for the rules).
+lookups behind :mod:`analysis.dumps.fp8_scales` (see its docstring for the rules).
 
 Every file read here (an index, a config.json) is untrusted: read whole up to
 :data:`MAX_JSON_BYTES`, parsed with ``json``, and a file that cannot be read or parsed (too
@@ -14,7 +14,7 @@ import re
 import stat
 from typing import Any
 
-from fp8sim.analysis.dumps import Dump, TensorSource, open_dump
+from fp8sim.analysis.dumps.core import Dump, TensorSource, open_dump
 
 __all__ = ["SCALE_SUFFIXES", "MAX_JSON_BYTES", "CompanionFinder", "config_blocks", "parse_block"]
 
