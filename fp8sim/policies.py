@@ -54,11 +54,11 @@ import numpy as np
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.policy_params import (
     Param,
-    _bare_word,
-    _check_count,
-    _check_margin,
-    _coerce_params,
-    _split_items,
+    bare_word,
+    check_count,
+    check_margin,
+    coerce_params,
+    split_items,
     format_param,
 )
 from fp8sim.scaling import (
@@ -120,7 +120,7 @@ class ScalingPolicy:
     just_in_time: bool = False
 
     def __init__(self, **params: Any) -> None:
-        self.params = _coerce_params(self.NAME, self.PARAMS, params)
+        self.params = coerce_params(self.NAME, self.PARAMS, params)
         self._tensors: dict[str, dict] = {}
 
     # -- identity ----------------------------------------------------------------------------
@@ -250,7 +250,7 @@ class CurrentScaling(ScalingPolicy):
         if g.kind == "mx":
             raise ValueError("current: gran=mx is the mx policy (spec 'mx' or 'mx:rceil')")
         self.params["gran"] = g.spec
-        _check_margin(self.NAME, self.params["margin"])
+        check_margin(self.NAME, self.params["margin"])
         eps = self.params["epsilon"]
         if not (math.isfinite(eps) and eps >= 0):
             raise ValueError(f"current: epsilon must be finite and >= 0, got {eps}")
@@ -307,8 +307,8 @@ class DelayedScaling(ScalingPolicy):
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
-        _check_count(self.NAME, "history", self.params["history"], _MAX_HISTORY)
-        _check_margin(self.NAME, self.params["margin"])
+        check_count(self.NAME, "history", self.params["history"], _MAX_HISTORY)
+        check_margin(self.NAME, self.params["margin"])
 
     def _fresh_state(self) -> dict:
         return {"scale": 1.0, "amax_history": [0.0] * self.params["history"], "steps": 0}
@@ -369,7 +369,7 @@ class MSAMPScaling(ScalingPolicy):
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
-        _check_count(self.NAME, "window", self.params["window"], _MAX_HISTORY)
+        check_count(self.NAME, "window", self.params["window"], _MAX_HISTORY)
         if abs(self.params["margin"]) > 126:
             raise ValueError(f"msamp: |margin| must be <= 126, got {self.params['margin']}")
 
@@ -588,11 +588,11 @@ def parse_policy(spec: str | ScalingPolicy) -> ScalingPolicy:
         raise ValueError(f"unknown scaling policy {name!r}; valid: {', '.join(_POLICIES)}")
     cls = _POLICIES[name]
     params: dict[str, Any] = {}
-    for item in filter(None, (t.strip() for t in _split_items(body))):
+    for item in filter(None, (t.strip() for t in split_items(body))):
         key, eq, value = item.partition("=")
         key = key.strip().lower()
         if not eq:
-            key, value = _bare_word(name, cls.PARAMS, key)
+            key, value = bare_word(name, cls.PARAMS, key)
         if key in params:
             raise ValueError(f"policy {name!r}: parameter {key!r} given twice")
         params[key] = value.strip() if isinstance(value, str) else value

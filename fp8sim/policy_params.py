@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Param", "format_param"]
+__all__ = ["Param", "format_param", "check_margin", "check_count", "coerce_params", "split_items",
+           "bare_word"]
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,12 @@ class Param:
     choices: tuple[str, ...] | None = None
 
 
-def _check_margin(policy: str, margin: float) -> None:
+def check_margin(policy: str, margin: float) -> None:
     if not math.isfinite(margin) or abs(margin) > 126:
         raise ValueError(f"{policy}: margin must be finite with |margin| <= 126, got {margin}")
 
 
-def _check_count(policy: str, key: str, n: int, most: int) -> None:
+def check_count(policy: str, key: str, n: int, most: int) -> None:
     if not 1 <= n <= most:
         raise ValueError(f"{policy}: {key} must be >= 1 and <= {most}, got {n:.6g}")
 
@@ -85,7 +86,7 @@ def _convert(policy: str, key: str, param: Param, value: Any) -> Any:
     return text
 
 
-def _coerce_params(policy: str, schema: dict[str, Param], given: dict[str, Any]) -> dict[str, Any]:
+def coerce_params(policy: str, schema: dict[str, Param], given: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(given) - set(schema))
     if unknown:
         valid = ", ".join(schema) or "(none)"
@@ -93,12 +94,12 @@ def _coerce_params(policy: str, schema: dict[str, Param], given: dict[str, Any])
     return {k: _convert(policy, k, p, given.get(k, p.default)) for k, p in schema.items()}
 
 
-def _split_items(body: str) -> list[str]:
+def split_items(body: str) -> list[str]:
     """Split on commas (granularity values like ``block:1x128`` contain no commas)."""
     return body.split(",") if body else []
 
 
-def _bare_word(policy: str, schema: dict[str, Param], word: str) -> tuple[str, Any]:
+def bare_word(policy: str, schema: dict[str, Param], word: str) -> tuple[str, Any]:
     if word in schema and isinstance(schema[word].default, bool):
         return word, True
     hits = [k for k, p in schema.items() if p.choices and word in p.choices]

@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from fp8sim.kernels._cast import cast_args, decode_args, decode_f32, encode_f32, is_interpreter
+from fp8sim.kernels.cast import cast_args, decode_args, decode_f32, encode_f32, is_interpreter
 
-__all__ = ["adam_step", "SCALARS"]
+__all__ = ["adam_step", "SCALARS", "aot_variants"]
 
 #: order of the float32 scalars in the ``scalars`` tensor the kernel reads
 SCALARS = ("param_scale_inv", "exp_avg_scale_inv", "exp_avg_sq_scale_inv", "grad_scale_inv",
@@ -166,3 +166,25 @@ def adam_step(
         if w is not orig and orig is not grad:
             orig.copy_(w)
     return partial.amax(dim=0)
+
+
+def aot_variants() -> dict:
+    """Ahead-of-time compile variants of this file's kernel (:mod:`fp8sim.kernels.aot`):
+    name -> (kernel, {argument: Triton type}, {constexpr: value}, compile options)."""
+    e_args = cast_args("e4m3", "stochastic", True)
+    h_args = cast_args("fp16", "stochastic", True)
+    consts = dict(BLOCK=1024, MODE=e_args.pop("MODE"), SATURATE=e_args.pop("SATURATE"),
+                  K=e_args.pop("K"))
+    for key in ("MODE", "SATURATE", "K"):
+        h_args.pop(key)
+    consts.update({"E_" + k: v for k, v in e_args.items()})
+    consts.update(decode_args("e4m3", "D_"))
+    consts.update({"H_" + k: v for k, v in h_args.items()})
+    types = {"p_ptr": "*i16", "g_ptr": "*bf16", "m_ptr": "*u8", "v_ptr": "*i16",
+             "scal_ptr": "*fp32", "amax_ptr": "*fp32", "n": "i32", "seed_p": "i64",
+             "seed_m": "i64", "seed_v": "i64"}
+    for c in ("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "bias_correction1",
+              "bias_correction2", "eps", "lr", "decay"):
+        types[c] = "fp32"
+    return {"adam_e4m3_stochastic": (_adam_kernel, types, consts,
+                                     {"num_warps": 4, "enable_fp_fusion": False})}

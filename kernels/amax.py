@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8sim.kernels._cast import is_interpreter
+from fp8sim.kernels.cast import is_interpreter
 
-__all__ = ["amax"]
+__all__ = ["amax", "aot_variants"]
 
 
 @triton.jit
@@ -48,3 +48,11 @@ def amax(x: torch.Tensor, *, block: int | None = None) -> torch.Tensor:
     partial = torch.empty(grid[0], dtype=torch.float32, device=x.device)
     _amax_kernel[grid](x2, partial, x2.shape[0], x2.shape[1], x2.stride(0), x2.stride(1), BLOCK=blk)
     return partial.amax()
+
+
+def aot_variants() -> dict:
+    """Ahead-of-time compile variants of this file's kernel (:mod:`fp8sim.kernels.aot`):
+    name -> (kernel, {argument: Triton type}, {constexpr: value}, compile options)."""
+    return {"amax": (_amax_kernel, {"x_ptr": "*bf16", "partial_ptr": "*fp32", "n_rows": "i32",
+                                    "n_cols": "i32", "stride_r": "i32", "stride_c": "i32"},
+                     dict(BLOCK=4096), {"num_warps": 8})}

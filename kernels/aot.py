@@ -24,85 +24,13 @@ __all__ = ["list_variants", "compile_variant", "ptx_facts", "main"]
 
 
 def _variants() -> dict:
-    """name -> (kernel, {arg: triton type}, {constexpr: value}, options)."""
+    """name -> (kernel, {arg: triton type}, {constexpr: value}, options), each op file's
+    ``aot_variants()`` together."""
     from fp8sim.kernels import adam, amax, block_quantize, cast_transpose, dequantize, quantize, scaled_mm
-    from fp8sim.kernels._cast import cast_args, decode_args
 
     out: dict = {}
-    q_types = {"x_ptr": "*fp32", "scale_ptr": "*fp32", "codes_ptr": "*u8", "amax_ptr": "*fp32",
-               "seed": "i64", "n_rows": "i32", "n_cols": "i32", "stride_r": "i32",
-               "stride_c": "i32"}
-    for name, fmt, rnd, native, x_ty in [
-        ("quantize_e4m3_rne", "e4m3", "rne", 0, "*bf16"),
-        ("quantize_e5m2_stochastic", "e5m2", "stochastic", 0, "*fp32"),
-        ("quantize_e4m3_native", "e4m3", "rne", 1, "*bf16"),
-        ("quantize_e5m2_native", "e5m2", "rne", 2, "*fp32"),
-    ]:
-        fmax = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
-        out[name] = (quantize._quantize_kernel, {**q_types, "x_ptr": x_ty},
-                     dict(SCALE_MODE=0, CONTIGUOUS=True, NATIVE=native, FMAX=fmax, BLOCK=2048,
-                          **cast_args(fmt, rnd, True)), {"num_warps": 8})
-    out["quantize_fp16_rowscale_strided"] = (
-        quantize._quantize_kernel, {**q_types, "codes_ptr": "*u16"},
-        dict(SCALE_MODE=1, CONTIGUOUS=False, NATIVE=0, FMAX=65504.0, BLOCK=2048,
-             **cast_args("fp16", "rtz", False)), {"num_warps": 8})
-    out["amax"] = (amax._amax_kernel, {"x_ptr": "*bf16", "partial_ptr": "*fp32", "n_rows": "i32",
-                                       "n_cols": "i32", "stride_r": "i32", "stride_c": "i32"},
-                   dict(BLOCK=4096), {"num_warps": 8})
-    out["dequantize_e5m2_bf16"] = (
-        dequantize._dequantize_kernel,
-        {"codes_ptr": "*u8", "scale_inv_ptr": "*fp32", "out_ptr": "*i16", "n_rows": "i32",
-         "n_cols": "i32", "stride_r": "i32", "stride_c": "i32"},
-        dict(SCALE_MODE=0, OUT_BF16=1, BLOCK=2048, **decode_args("e5m2")), {"num_warps": 8})
-    out["cast_transpose_e4m3_stochastic"] = (
-        cast_transpose._cast_transpose_kernel,
-        {"x_ptr": "*bf16", "scale_ptr": "*fp32", "codes_ptr": "*u8", "codes_t_ptr": "*u8",
-         "amax_ptr": "*fp32", "seed": "i64", "n_rows": "i32", "n_cols": "i32",
-         "stride_r": "i32", "stride_c": "i32"},
-        dict(SCALE_MODE=0, BLOCK_M=64, BLOCK_N=64, **cast_args("e4m3", "stochastic", True)),
-        {"num_warps": 8})
-    bq_types = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scale_inv_ptr": "*fp32",
-                "amax_ptr": "*fp32", "e8m0_ptr": "*u8", "seed": "i64", "n_rows": "i32",
-                "n_cols": "i32", "sx_r": "i32", "sx_c": "i32", "sc_r": "i32", "sc_c": "i32",
-                "cnt_r": "i32", "cnt_c": "i32", "ss_r": "i32", "ss_c": "i32", "eps": "fp32",
-                "margin_div": "fp32"}
-    for name, tile, block, mx in [("block_quantize_mx", (1, 32), (16, 32), 1),
-                                  ("block_quantize_128x128", (128, 128), (128, 128), 0)]:
-        out[name] = (block_quantize._block_quantize_kernel, bq_types,
-                     dict(TILE_R=tile[0], TILE_C=tile[1], BLOCK_R=block[0], BLOCK_C=block[1],
-                          MX=mx, RCEIL=mx, POW2=1 - mx, FMAX=448.0, EMAX=8, RCP_MAX=1 / 448.0,
-                          F32_MAX=3.4028234663852886e38, **cast_args("e4m3", "rne", True)),
-                     {"num_warps": 8, "enable_fp_fusion": False})
-    mm_types = {"a_ptr": "*u8", "b_ptr": "*u8", "c_ptr": "*fp32", "sa_ptr": "*fp32",
-                "sb_ptr": "*fp32", "n_m": "i32", "n_n": "i32", "n_k": "i32", "stride_am": "i32",
-                "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"}
-    for name, fa, fb, dot, bk in [("scaled_mm_e4m3_native", "e4m3", "e4m3", 2, 128),
-                                  ("scaled_mm_e4m3_e5m2_native", "e4m3", "e5m2", 2, 128),
-                                  ("scaled_mm_e3m4_fp16", "e3m4", "e4m3fnuz", 1, 32)]:
-        native = {"e4m3": 1, "e5m2": 2}
-        out[name] = (scaled_mm._scaled_mm_kernel, mm_types,
-                     dict(SA_ROW=1, SB_COL=1, DOT=dot, OUT_BF16=0, FAST_ACCUM=0, BLOCK_M=128, BLOCK_N=128,
-                          BLOCK_K=bk, GROUP_M=8, A_NATIVE=native.get(fa, 0),
-                          **decode_args(fa, "A_"), B_NATIVE=native.get(fb, 0),
-                          **decode_args(fb, "B_")),
-                     {"num_warps": 8, "num_stages": 3})
-    e_args = cast_args("e4m3", "stochastic", True)
-    h_args = cast_args("fp16", "stochastic", True)
-    consts = dict(BLOCK=1024, MODE=e_args.pop("MODE"), SATURATE=e_args.pop("SATURATE"),
-                  K=e_args.pop("K"))
-    for key in ("MODE", "SATURATE", "K"):
-        h_args.pop(key)
-    consts.update({"E_" + k: v for k, v in e_args.items()})
-    consts.update(decode_args("e4m3", "D_"))
-    consts.update({"H_" + k: v for k, v in h_args.items()})
-    adam_types = {"p_ptr": "*i16", "g_ptr": "*bf16", "m_ptr": "*u8", "v_ptr": "*i16",
-                  "scal_ptr": "*fp32", "amax_ptr": "*fp32", "n": "i32", "seed_p": "i64",
-                  "seed_m": "i64", "seed_v": "i64"}
-    for c in ("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "bias_correction1",
-              "bias_correction2", "eps", "lr", "decay"):
-        adam_types[c] = "fp32"
-    out["adam_e4m3_stochastic"] = (adam._adam_kernel, adam_types, consts,
-                                   {"num_warps": 4, "enable_fp_fusion": False})
+    for module in (quantize, amax, dequantize, cast_transpose, block_quantize, scaled_mm, adam):
+        out.update(module.aot_variants())
     return out
 
 

@@ -28,10 +28,10 @@ import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.scaling import parse_granularity, view2d
-from fp8sim.kernels._cast import (cast_args, check_sentinels, code_dtype, encode_f32, is_interpreter, scale_f32,
+from fp8sim.kernels.cast import (cast_args, check_sentinels, code_dtype, encode_f32, is_interpreter, scale_f32,
                            widen_f32)
 
-__all__ = ["block_quantize"]
+__all__ = ["block_quantize", "aot_variants"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -266,3 +266,22 @@ def block_quantize(
     )
     check_sentinels(codes, fmt, shape)
     return codes.reshape(shape), scale_inv, amax, (e8m0 if is_mx else None)
+
+
+def aot_variants() -> dict:
+    """Ahead-of-time compile variants of this file's kernel (:mod:`fp8sim.kernels.aot`):
+    name -> (kernel, {argument: Triton type}, {constexpr: value}, compile options)."""
+    out: dict = {}
+    bq_types = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scale_inv_ptr": "*fp32",
+                "amax_ptr": "*fp32", "e8m0_ptr": "*u8", "seed": "i64", "n_rows": "i32",
+                "n_cols": "i32", "sx_r": "i32", "sx_c": "i32", "sc_r": "i32", "sc_c": "i32",
+                "cnt_r": "i32", "cnt_c": "i32", "ss_r": "i32", "ss_c": "i32", "eps": "fp32",
+                "margin_div": "fp32"}
+    for name, tile, block, mx in [("block_quantize_mx", (1, 32), (16, 32), 1),
+                                  ("block_quantize_128x128", (128, 128), (128, 128), 0)]:
+        out[name] = (_block_quantize_kernel, bq_types,
+                     dict(TILE_R=tile[0], TILE_C=tile[1], BLOCK_R=block[0], BLOCK_C=block[1],
+                          MX=mx, RCEIL=mx, POW2=1 - mx, FMAX=448.0, EMAX=8, RCP_MAX=1 / 448.0,
+                          F32_MAX=3.4028234663852886e38, **cast_args("e4m3", "rne", True)),
+                     {"num_warps": 8, "enable_fp_fusion": False})
+    return out

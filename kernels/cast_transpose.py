@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from fp8sim.kernels._cast import cast_args, check_sentinels, code_dtype, encode_f32, scale_f32, widen_f32
+from fp8sim.kernels.cast import cast_args, check_sentinels, code_dtype, encode_f32, scale_f32, widen_f32
 
-__all__ = ["cast_transpose"]
+__all__ = ["cast_transpose", "aot_variants"]
 
 
 @triton.jit
@@ -112,3 +112,15 @@ def cast_transpose(
         )
         check_sentinels(codes, fmt, (n_rows, n_cols))
     return codes, codes_t, partial.amax()
+
+
+def aot_variants() -> dict:
+    """Ahead-of-time compile variants of this file's kernel (:mod:`fp8sim.kernels.aot`):
+    name -> (kernel, {argument: Triton type}, {constexpr: value}, compile options)."""
+    return {"cast_transpose_e4m3_stochastic": (
+        _cast_transpose_kernel,
+        {"x_ptr": "*bf16", "scale_ptr": "*fp32", "codes_ptr": "*u8", "codes_t_ptr": "*u8",
+         "amax_ptr": "*fp32", "seed": "i64", "n_rows": "i32", "n_cols": "i32",
+         "stride_r": "i32", "stride_c": "i32"},
+        dict(SCALE_MODE=0, BLOCK_M=64, BLOCK_N=64, **cast_args("e4m3", "stochastic", True)),
+        {"num_warps": 8})}

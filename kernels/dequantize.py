@@ -1,8 +1,8 @@
 """dequantize: ``float32(decode(codes)) * float32(scale_inv)``, cast to the output dtype (RNE).
 
-bfloat16 output is rounded with integer operations (:func:`fp8sim.kernels._cast.bf16_bits`).
+bfloat16 output is rounded with integer operations (:func:`fp8sim.kernels.cast.bf16_bits`).
 
-Decoding is the integer software decode of :func:`fp8sim.kernels._cast.decode_f32` (exact for every
+Decoding is the integer software decode of :func:`fp8sim.kernels.cast.decode_f32` (exact for every
 code, NaN and inf included, where the interpreter's fp8 -> float32 conversion is not).
 """
 
@@ -13,10 +13,10 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from fp8sim.kernels._cast import (bf16_bits, decode_args, decode_f32, is_interpreter, narrow_keep_nan_sign,
+from fp8sim.kernels.cast import (bf16_bits, decode_args, decode_f32, is_interpreter, narrow_keep_nan_sign,
                            scale_f32)
 
-__all__ = ["dequantize"]
+__all__ = ["dequantize", "aot_variants"]
 
 
 @triton.jit
@@ -90,3 +90,13 @@ def dequantize(
             SCALE_MODE=mode, OUT_BF16=int(out_dtype == torch.bfloat16), BLOCK=blk, **args,
         )
     return out
+
+
+def aot_variants() -> dict:
+    """Ahead-of-time compile variants of this file's kernel (:mod:`fp8sim.kernels.aot`):
+    name -> (kernel, {argument: Triton type}, {constexpr: value}, compile options)."""
+    return {"dequantize_e5m2_bf16": (
+        _dequantize_kernel,
+        {"codes_ptr": "*u8", "scale_inv_ptr": "*fp32", "out_ptr": "*i16", "n_rows": "i32",
+         "n_cols": "i32", "stride_r": "i32", "stride_c": "i32"},
+        dict(SCALE_MODE=0, OUT_BF16=1, BLOCK=2048, **decode_args("e5m2")), {"num_warps": 8})}

@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from fp8sim.kernels._cast import (cast_args, check_sentinels, code_dtype, encode_f32, is_interpreter, scale_f32,
+from fp8sim.kernels.cast import (cast_args, check_sentinels, code_dtype, encode_f32, is_interpreter, scale_f32,
                            widen_f32)
 
-__all__ = ["quantize", "native_supported"]
+__all__ = ["quantize", "native_supported", "aot_variants"]
 
 _SCALE_MODES = {"tensor": 0, "row": 1, "col": 2}
 
@@ -165,3 +165,27 @@ def quantize(
     else:
         amax = torch.zeros((), dtype=torch.float32, device=x.device)
     return codes, amax
+
+
+def aot_variants() -> dict:
+    """Ahead-of-time compile variants of this file's kernel (:mod:`fp8sim.kernels.aot`):
+    name -> (kernel, {argument: Triton type}, {constexpr: value}, compile options)."""
+    out: dict = {}
+    q_types = {"x_ptr": "*fp32", "scale_ptr": "*fp32", "codes_ptr": "*u8", "amax_ptr": "*fp32",
+               "seed": "i64", "n_rows": "i32", "n_cols": "i32", "stride_r": "i32",
+               "stride_c": "i32"}
+    for name, fmt, rnd, native, x_ty in [
+        ("quantize_e4m3_rne", "e4m3", "rne", 0, "*bf16"),
+        ("quantize_e5m2_stochastic", "e5m2", "stochastic", 0, "*fp32"),
+        ("quantize_e4m3_native", "e4m3", "rne", 1, "*bf16"),
+        ("quantize_e5m2_native", "e5m2", "rne", 2, "*fp32"),
+    ]:
+        fmax = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
+        out[name] = (_quantize_kernel, {**q_types, "x_ptr": x_ty},
+                     dict(SCALE_MODE=0, CONTIGUOUS=True, NATIVE=native, FMAX=fmax, BLOCK=2048,
+                          **cast_args(fmt, rnd, True)), {"num_warps": 8})
+    out["quantize_fp16_rowscale_strided"] = (
+        _quantize_kernel, {**q_types, "codes_ptr": "*u16"},
+        dict(SCALE_MODE=1, CONTIGUOUS=False, NATIVE=0, FMAX=65504.0, BLOCK=2048,
+             **cast_args("fp16", "rtz", False)), {"num_warps": 8})
+    return out

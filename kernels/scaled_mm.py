@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 
 from fp8sim.formats import FloatFormat, get_format
-from fp8sim.kernels._cast import bf16_bits, decode_args, decode_f32, is_interpreter
+from fp8sim.kernels.cast import bf16_bits, decode_args, decode_f32, is_interpreter
 
-__all__ = ["scaled_mm", "dot_path"]
+__all__ = ["scaled_mm", "dot_path", "aot_variants"]
 
 _NATIVE = {"e4m3": 1, "e5m2": 2}
 
@@ -182,4 +182,23 @@ def scaled_mm(
         B_NATIVE=_NATIVE.get(b_fmt.name, 0), **decode_args(b_fmt, "B_"),
         **extra,
     )
+    return out
+
+
+def aot_variants() -> dict:
+    """Ahead-of-time compile variants of this file's kernel (:mod:`fp8sim.kernels.aot`):
+    name -> (kernel, {argument: Triton type}, {constexpr: value}, compile options)."""
+    out: dict = {}
+    mm_types = {"a_ptr": "*u8", "b_ptr": "*u8", "c_ptr": "*fp32", "sa_ptr": "*fp32",
+                "sb_ptr": "*fp32", "n_m": "i32", "n_n": "i32", "n_k": "i32", "stride_am": "i32",
+                "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"}
+    for name, fa, fb, dot, bk in [("scaled_mm_e4m3_native", "e4m3", "e4m3", 2, 128),
+                                  ("scaled_mm_e4m3_e5m2_native", "e4m3", "e5m2", 2, 128),
+                                  ("scaled_mm_e3m4_fp16", "e3m4", "e4m3fnuz", 1, 32)]:
+        out[name] = (_scaled_mm_kernel, mm_types,
+                     dict(SA_ROW=1, SB_COL=1, DOT=dot, OUT_BF16=0, FAST_ACCUM=0, BLOCK_M=128,
+                          BLOCK_N=128, BLOCK_K=bk, GROUP_M=8, A_NATIVE=_NATIVE.get(fa, 0),
+                          **decode_args(fa, "A_"), B_NATIVE=_NATIVE.get(fb, 0),
+                          **decode_args(fb, "B_")),
+                     {"num_warps": 8, "num_stages": 3})
     return out

@@ -55,7 +55,7 @@ def quantize_or_raise(be, x, fmt, scale, rounding, saturate, seed=None):
 def _backend(name: str):
     if name == "triton":
         pytest.importorskip("triton")
-        from fp8sim.kernels._cast import is_interpreter
+        from fp8sim.kernels.cast import is_interpreter
 
         if not is_interpreter():  # CPU tensors need the interpreter; GPU: test_kernels_gpu.py
             pytest.skip("triton on CPU tensors needs TRITON_INTERPRET=1")

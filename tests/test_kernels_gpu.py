@@ -17,7 +17,7 @@ from fp8sim.backends.cases import edge_values, random_values
 from fp8sim.emulator import ROUNDING_MODES, decode_table
 
 try:
-    from fp8sim.kernels._cast import is_interpreter
+    from fp8sim.kernels.cast import is_interpreter
 except ImportError:  # no triton at all
     is_interpreter = None
 

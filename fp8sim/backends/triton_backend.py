@@ -27,7 +27,7 @@ from fp8sim.backends.base import (
 )
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.kernels import adam as _adam
-from fp8sim.kernels._cast import is_interpreter
+from fp8sim.kernels.cast import is_interpreter
 from fp8sim.kernels.amax import amax as _amax
 from fp8sim.kernels.block_quantize import block_quantize as _block_quantize
 from fp8sim.kernels.cast_transpose import cast_transpose as _cast_transpose
