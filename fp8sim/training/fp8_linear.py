@@ -475,8 +475,6 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
 #: a module filter: ``(module, fully qualified name) -> bool``, torchao's convention
 ModuleFilter = Callable[[nn.Module, str], bool]
 
-_LEVELS_NOT_APPLIED = ("optimizer", "grad_comm", "weight_storage")
-
 
 def convert_to_fp8(
     model: nn.Module, recipe: Recipe | LinearRecipe | str, backend: str | Any = "emulator", *,
@@ -495,12 +493,11 @@ def convert_to_fp8(
     ``Parameter`` objects, dtypes and layouts: optimizers and weight tying keep working).
 
     ``recipe``: a registered name (``"te-delayed"``), a :class:`Recipe` or a :class:`LinearRecipe`.
-    A recipe with FP8-LM levels this function does not apply (an FP8 optimizer, FP8 gradient
-    communication, FP8 weight storage: ``fp8lm-o1``/``-o2``/``-o3``) raises ValueError: use
-    :func:`fp8sim.training.fp8lm.prepare`, which applies every level (code that applies the other
-    levels itself passes ``recipe.linear``). All converted layers share one :class:`Fp8State`
-    (``gemm_accumulate``: see there). ValueError when the recipe has no FP8 GEMMs, when the model
-    is already converted, and when nothing was converted.
+    Only the recipe's linear level is applied: for the FP8-LM recipes (``fp8lm-o1``/``-o2``/``-o3``:
+    FP8 optimizer, FP8 gradient communication, FP8 weight storage) use
+    :func:`fp8sim.training.fp8lm.prepare`, which applies every level. All converted layers share
+    one :class:`Fp8State` (``gemm_accumulate``: see there). ValueError when the recipe has no FP8
+    GEMMs, when the model is already converted, and when nothing was converted.
 
     The step (:attr:`Fp8State.step`) advances at each forward of ``model`` in training mode with
     autograd enabled (a forward pre-hook on ``model``), unless the loop sets it.
@@ -509,14 +506,6 @@ def convert_to_fp8(
 
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
-    if isinstance(recipe, Recipe) and recipe.linear is not None:
-        extra = [f"{lvl}={getattr(recipe, lvl)}" for lvl, plain in zip(_LEVELS_NOT_APPLIED, ("adamw", "none", "fp32"))
-                 if getattr(recipe, lvl) != plain]
-        if extra:
-            raise ValueError(
-                f"convert_to_fp8: recipe {recipe.name!r} has levels convert_to_fp8 does not apply "
-                f"({', '.join(extra)}); use fp8sim.training.fp8lm.prepare(model, {recipe.name!r}), which applies "
-                f"them all (or pass recipe.linear to convert the linear layers only)")
     linear_recipe = recipe.linear if isinstance(recipe, Recipe) else recipe
     if not isinstance(linear_recipe, LinearRecipe):
         name = getattr(recipe, "name", recipe)
