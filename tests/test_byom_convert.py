@@ -204,3 +204,15 @@ def test_model_to_bfloat16_after_conversion_trains_in_bfloat16():
         cur[0].weight.copy_(layer.weight)
     convert_to_fp8(cur, "te-current")
     assert torch.equal(cur(x), ref(x.float()).to(torch.bfloat16))
+
+
+def test_a_deep_copy_is_its_own_model():
+    import copy
+
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 8)), "te-delayed")
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    twin(x).sum().backward()  # observed by the copy's state only
+    assert get_fp8_state(twin).policies["activation"].state_dict()["tensors"]
+    assert not get_fp8_state(model).policies["activation"].state_dict()["tensors"]
+    assert twin[0].weight.grad is not None and model[0].weight.grad is None

@@ -33,10 +33,11 @@ and keeps their ``Parameter`` objects (optimizers and weight tying keep working)
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -114,6 +115,7 @@ class Fp8State:
         self.taps: list[Tap] = []
         self.observing = True
         self.first_layer: str | None = None  # the converted layer that carries extra_states
+        self._root_hook: Any = None  # the handle of convert_to_fp8's step hook on the root module
         self.gemm_accumulate = gemm_accumulate
 
     @property
@@ -155,6 +157,9 @@ class Fp8State:
     def step(self, value: int) -> None:
         self._step = int(value)
         self._explicit_step = True
+        if self._root_hook is not None:  # the loop owns the step: the root hook has nothing to do
+            self._root_hook.remove()
+            self._root_hook = None
 
     def _advance_step(self) -> None:
         if not self._explicit_step:
@@ -314,67 +319,122 @@ def _dequantize_blocks(op: Fp8Operand) -> torch.Tensor:
     return values * torch.repeat_interleave(sinv, MX_BLOCK, dim=1)[:, :C]
 
 
-class _Fp8LinearFunction(torch.autograd.Function):
-    """``y = x W^T + b`` on FP8 operands; float32 GEMMs outside autocast, one rounding to
-    ``out_dtype``. ``mode``: ``"observe"`` (a training forward), ``"recompute"`` (activation
-    checkpointing's second forward) or ``"quiet"`` (eval / no grad: the policies' current
-    scales, nothing observed)."""
+# -- the FP8 linear as two custom ops ---------------------------------------------------------------
+# The forward and backward are torch custom ops (torch.library): opaque to torch.compile, which
+# traces each layer's call without a graph break and without guards on the layer's name or
+# policy state (the casts run eagerly inside the op, .item() and numpy included). An op takes
+# tensors and plain values only, so a layer is passed as its key in _LAYERS (a weak registry:
+# a layer that is gone is gone from it).
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Fp8Linear",
-                out_dtype: torch.dtype, mode: str):
-        st = layer.state
-        observe, recompute = mode != "quiet", mode == "recompute"
-        with torch.autocast(x.device.type, enabled=False):  # the emulated GEMM is never autocast
-            x32 = x.detach().to(torch.float32)  # (M, K); exact from bf16 / fp16
-            w32 = weight.detach().to(torch.float32)  # (N, K), or (K, N) for a transposed layer
-            if layer.transposed:  # HF Conv1D stores W^T; the cast sees W (N, K), as nn.Linear's
-                w32 = w32.t().contiguous()
-            xq = st.cast(f"{layer.name}.input", "activation", x32, observe=observe, recompute=recompute)
-            wq = st.cast(f"{layer.name}.weight", "weight", w32, observe=observe, recompute=recompute)
-            y = st.gemm(xq, wq)  # (M, N) float32
-            if bias is not None:  # the GEMM epilogue's float32 add, before the one rounding
-                y = y + bias.detach().to(torch.float32)
-        if xq.granularity == "tensor":
-            ctx.save_for_backward(xq.codes, xq.scale_inv, wq.codes, wq.scale_inv)
-            ctx.hp = None
-        else:  # MX re-casts along the other axis in backward, from the high-precision tensors
-            ctx.save_for_backward(x32, w32)
-            ctx.hp = True
-        ctx.layer, ctx.fmts, ctx.has_bias = layer, (xq.fmt, wq.fmt), bias is not None
-        ctx.observe = observe  # a quiet forward's backward (eval-mode saliency) observes nothing
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y.to(out_dtype)
+_LAYERS: "weakref.WeakValueDictionary[int, Fp8Linear]" = weakref.WeakValueDictionary()
 
-    @staticmethod
-    def backward(ctx, gy: torch.Tensor):
-        layer = ctx.layer
-        st = layer.state
-        with torch.autocast(gy.device.type, enabled=False):
-            gy = gy.to(torch.float32).contiguous()  # (M, N); exact from bf16 / fp16
-            gq = st.cast(f"{layer.name}.grad_output", "grad_output", gy, observe=ctx.observe)
-            if ctx.hp is None:
-                xc, xs, wc, ws = ctx.saved_tensors
-                xq = Fp8Operand(xc, xs, ctx.fmts[0])
-                wq = Fp8Operand(wc, ws, ctx.fmts[1])
-                dx = st.gemm(gq, wq.t())  # (M, N) x (N, K) -> (M, K)
-                dw = st.gemm(gq.t(), xq.t())  # (N, M) x (M, K) -> (N, K)
-            else:
-                x, w = ctx.saved_tensors
-                wt = st.cast(f"{layer.name}.weight", "weight", w.t().contiguous(), observe=False)  # (K, N)
-                gt = st.cast(f"{layer.name}.grad_output", "grad_output", gy.t().contiguous(), observe=False)
-                xt = st.cast(f"{layer.name}.input", "activation", x.t().contiguous(), observe=False)  # (K, M)
-                dx = st.gemm(gq, wt)
-                dw = st.gemm(gt, xt)
-            if "weight_grad" in st.casts:  # FP8-LM O1: the weight gradient itself travels in FP8
-                dwq = st.cast(f"{layer.name}.weight_grad", "weight_grad", dw, observe=ctx.observe)
-                dw = _dequantize_blocks(dwq) if dwq.granularity != "tensor" else st.backend.dequantize(
-                    dwq.codes, dwq.fmt, dwq.scale_inv, out_dtype=torch.float32)
-            db = gy.sum(0) if ctx.has_bias else None
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        if layer.transposed:
-            dw = dw.t()  # (K, N), the stored layout
-        return dx.to(x_dtype), dw.to(w_dtype), None if db is None else db.to(b_dtype), None, None, None
+
+def _saved_specs(layer: "Fp8Linear", m: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of what the forward saves: codes + scale_inv of X (M, K) and W (N, K),
+    or for MX the float32 X and W (the backward re-casts them along the other axis)."""
+    k, n = layer.in_features, layer.out_features
+    if layer.state.casts["activation"].granularity == "tensor":
+        return [((m, k), torch.uint8), ((), torch.float32), ((n, k), torch.uint8), ((), torch.float32)]
+    return [((m, k), torch.float32), ((0,), torch.float32), ((n, k), torch.float32), ((0,), torch.float32)]
+
+
+@torch.library.custom_op("fp8sim::fp8_linear", mutates_args=())
+def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], key: int,
+                   out_dtype: torch.dtype, observe: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor, torch.Tensor]:
+    """``y = x W^T + b`` on FP8 operands: float32 GEMM outside autocast, one rounding to
+    ``out_dtype``; returns ``y`` (M, N) and the four tensors the backward needs.
+
+    ``observe``: a training forward (else eval / no grad: the policies' current scales, nothing
+    observed). Run inside a backward pass it is activation checkpointing's recomputed forward:
+    the casts reuse this step's first forward's scales and observe nothing."""
+    layer = _LAYERS[key]
+    st = layer.state
+    recompute = observe and _in_backward()
+    with torch.autocast(x.device.type, enabled=False):  # the emulated GEMM is never autocast
+        x32 = x.detach().to(torch.float32)  # (M, K); exact from bf16 / fp16
+        w32 = weight.detach().to(torch.float32)  # (N, K), or (K, N) for a transposed layer
+        if layer.transposed:  # HF Conv1D stores W^T; the cast sees W (N, K), as nn.Linear's
+            w32 = w32.t().contiguous()
+        xq = st.cast(f"{layer.name}.input", "activation", x32, observe=observe, recompute=recompute)
+        wq = st.cast(f"{layer.name}.weight", "weight", w32, observe=observe, recompute=recompute)
+        y = st.gemm(xq, wq)  # (M, N) float32
+        if bias is not None:  # the GEMM epilogue's float32 add, before the one rounding
+            y = y + bias.detach().to(torch.float32)
+    if xq.granularity == "tensor":
+        saved = (xq.codes, xq.scale_inv, wq.codes, wq.scale_inv)
+    else:  # MX re-casts along the other axis in backward, from the high-precision tensors
+        empty = torch.zeros(0, dtype=torch.float32)
+        saved = (x32, empty, w32, empty.clone())
+    # outputs of a custom op may not alias its inputs or each other
+    saved = tuple(t.reshape(shape).to(dtype).clone() for t, (shape, dtype) in zip(saved, _saved_specs(layer, x.shape[0])))
+    return (y.to(out_dtype),) + saved
+
+
+@_fp8_linear_op.register_fake
+def _(x, weight, bias, key, out_dtype, observe):
+    layer = _LAYERS[key]
+    m = x.shape[0]
+    y = x.new_empty((m, layer.out_features), dtype=out_dtype)
+    return (y,) + tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in _saved_specs(layer, m))
+
+
+@torch.library.custom_op("fp8sim::fp8_linear_backward", mutates_args=())
+def _fp8_linear_backward_op(gy: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor,
+                            s3: torch.Tensor, key: int, observe: bool, x_dtype: torch.dtype, w_dtype: torch.dtype,
+                            b_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dX = dY W`` and ``dW = dY^T X`` on FP8 operands (and ``db``, empty without a bias), in
+    the dtypes of x, the stored weight (its layout too) and the bias."""
+    layer = _LAYERS[key]
+    st = layer.state
+    fmt_x, fmt_w = st.formats["activation"], st.formats["weight"]
+    with torch.autocast(gy.device.type, enabled=False):
+        gy = gy.to(torch.float32).contiguous()  # (M, N); exact from bf16 / fp16
+        gq = st.cast(f"{layer.name}.grad_output", "grad_output", gy, observe=observe)
+        if s0.dtype == torch.uint8:  # tensor scaling: the FP8 X and W of the forward
+            xq, wq = Fp8Operand(s0, s1, fmt_x), Fp8Operand(s2, s3, fmt_w)
+            dx = st.gemm(gq, wq.t())  # (M, N) x (N, K) -> (M, K)
+            dw = st.gemm(gq.t(), xq.t())  # (N, M) x (M, K) -> (N, K)
+        else:
+            x, w = s0, s2
+            wt = st.cast(f"{layer.name}.weight", "weight", w.t().contiguous(), observe=False)  # (K, N)
+            gt = st.cast(f"{layer.name}.grad_output", "grad_output", gy.t().contiguous(), observe=False)
+            xt = st.cast(f"{layer.name}.input", "activation", x.t().contiguous(), observe=False)  # (K, M)
+            dx = st.gemm(gq, wt)
+            dw = st.gemm(gt, xt)
+        if "weight_grad" in st.casts:  # FP8-LM O1: the weight gradient itself travels in FP8
+            dwq = st.cast(f"{layer.name}.weight_grad", "weight_grad", dw, observe=observe)
+            dw = _dequantize_blocks(dwq) if dwq.granularity != "tensor" else st.backend.dequantize(
+                dwq.codes, dwq.fmt, dwq.scale_inv, out_dtype=torch.float32)
+        db = gy.sum(0).to(b_dtype) if b_dtype is not None else gy.new_zeros(0)
+    if layer.transposed:
+        dw = dw.t()  # (K, N), the stored layout
+    return dx.to(x_dtype), dw.to(w_dtype).contiguous(), db
+
+
+@_fp8_linear_backward_op.register_fake
+def _(gy, s0, s1, s2, s3, key, observe, x_dtype, w_dtype, b_dtype):
+    layer = _LAYERS[key]
+    m, k, n = gy.shape[0], layer.in_features, layer.out_features
+    w_shape = (k, n) if layer.transposed else (n, k)
+    db = gy.new_empty((n,), dtype=b_dtype) if b_dtype is not None else gy.new_empty((0,), dtype=gy.dtype)
+    return gy.new_empty((m, k), dtype=x_dtype), gy.new_empty(w_shape, dtype=w_dtype), db
+
+
+def _fp8_linear_setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, key, out_dtype, observe = inputs
+    ctx.save_for_backward(*output[1:])
+    ctx.key, ctx.observe = key, observe
+    ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+
+
+def _fp8_linear_autograd(ctx, gy, *unused):
+    x_dtype, w_dtype, b_dtype = ctx.dtypes
+    dx, dw, db = _fp8_linear_backward_op(gy, *ctx.saved_tensors, ctx.key, ctx.observe, x_dtype, w_dtype, b_dtype)
+    return dx, dw, (db if b_dtype is not None else None), None, None, None
+
+
+_fp8_linear_op.register_autograd(_fp8_linear_autograd, setup_context=_fp8_linear_setup_context)
 
 
 def _in_backward() -> bool:
@@ -412,6 +472,13 @@ class Fp8Linear(nn.Module):
         self.bias = module.bias
         self.name = name
         self.state = state  # plain attribute: shared, not a submodule
+        self._key = id(self)  # this layer in the custom ops' registry
+        _LAYERS[self._key] = self
+
+    def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle: the copy is its own layer
+        super().__setstate__(state)
+        self._key = id(self)
+        _LAYERS[self._key] = self
 
     def tensor_names(self) -> set[str]:
         """The names of this layer's tensors in the policies and traces."""
@@ -422,11 +489,8 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, K), M = prod(lead)
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        if not (self.training and torch.is_grad_enabled()):
-            mode = "quiet"
-        else:
-            mode = "recompute" if _in_backward() else "observe"
-        y = _Fp8LinearFunction.apply(x2, self.weight, self.bias, self, out_dtype, mode)  # (M, N)
+        observe = self.training and torch.is_grad_enabled()  # eval / no grad: nothing observed
+        y = _fp8_linear_op(x2, self.weight, self.bias, self._key, out_dtype, observe)[0]  # (M, N)
         return y.view(*lead, self.out_features)
 
     # -- the FP8 state in state_dict() ----------------------------------------------------------
@@ -540,6 +604,9 @@ def convert_to_fp8(
 
 
 def _advance_step_hook(state: Fp8State):
+    # never traced by torch.compile: the step is a Python int that changes every step (a guard on
+    # it would recompile every step); the hook runs eagerly before the compiled graph
+    @torch.compiler.disable
     def hook(module: nn.Module, args) -> None:
         if module.training and torch.is_grad_enabled() and not _in_backward():
             state._advance_step()

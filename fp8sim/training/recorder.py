@@ -115,6 +115,7 @@ class Recorder:
                 seen.add(id(mod.weight))
                 self._handles.append(mod.weight.register_post_accumulate_grad_hook(self._make_wgrad_hook(name)))
 
+    @torch.compiler.disable  # a Python step counter: traced, it would be a guard (a recompile a step)
     def _root_pre_forward(self, module, args) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # activation checkpointing recomputing a forward inside backward
