@@ -23,12 +23,17 @@ axis) goes through :func:`fp8sim.scaling.quantize_scaled` and a float32 GEMM on 
 operands, re-casting each operand along the reduction axis of every GEMM that consumes it, as
 Transformer Engine's MXFP8 does (row-wise and column-wise copies).
 
-Scaling policies observe each tensor's amax once per training step (not in eval mode).
+Scaling policies observe each tensor's amax once per training step: only forwards in training
+mode with autograd enabled observe, and a forward that activation checkpointing recomputes inside
+backward reuses the first forward's scales and observes nothing. Each layer's GEMMs run as torch
+custom ops (``fp8sim::fp8_linear`` and its backward), so ``torch.compile`` traces a converted
+model in one graph: the casts (Python, numpy, ``.item()``) run eagerly inside the op.
 Overflow (``|float32(x) * scale| > max``, clamped) and underflow (a nonzero value whose code is
 zero) are counted per cast into :attr:`Fp8State.events`.
 
-Nothing global is touched: ``convert_to_fp8`` replaces the model's own ``nn.Linear`` children
-and keeps their ``Parameter`` objects (optimizers and weight tying keep working).
+Nothing global is touched: ``convert_to_fp8`` replaces the model's own ``nn.Linear`` (and Hugging
+Face ``Conv1D``) children and keeps their ``Parameter`` objects (optimizers and weight tying keep
+working); the custom ops find a layer through a weak registry of the converted layers.
 """
 
 from __future__ import annotations
@@ -561,7 +566,14 @@ def convert_to_fp8(
     FP8 optimizer, FP8 gradient communication, FP8 weight storage) use
     :func:`fp8sim.training.fp8lm.prepare`, which applies every level. All converted layers share
     one :class:`Fp8State` (``gemm_accumulate``: see there). ValueError when the recipe has no FP8
-    GEMMs, when the model is already converted, and when nothing was converted.
+    GEMMs, when the model is already converted, when nothing was converted (torchao returns the
+    model unchanged) and when ``model`` is itself a linear layer (torchao returns a new module;
+    fp8sim converts in place only).
+
+    Deliberate differences from torchao's float8 layers besides those: the bias is added to the
+    float32 GEMM result before its one rounding to the output dtype (as a cuBLASLt epilogue;
+    torchao adds it after, in the output dtype), and scaling policies may be stateful (delayed,
+    MS-AMP, AutoScale), so their state is in ``state_dict()`` and only training forwards observe.
 
     The step (:attr:`Fp8State.step`) advances at each forward of ``model`` in training mode with
     autograd enabled (a forward pre-hook on ``model``), unless the loop sets it.
