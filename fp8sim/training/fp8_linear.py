@@ -275,7 +275,8 @@ class Fp8State:
         return {"step": self.step, "policies": {r: p.state_dict() for r, p in self.policies.items()}}
 
     def load_state_dict(self, d: dict) -> None:
-        self.step = int(d["step"])
+        self._step = int(d["step"])  # not the setter: a loop that never set the step still need not
+        self._cast_scales.clear()
         for role, sd in d["policies"].items():
             self.policies[role].load_state_dict(sd)
 
