@@ -56,7 +56,9 @@ def test_kill_and_resume_bit_exact(tmp_path, corpus, recipe):
     assert _losses(tmp_path / "cut") == full  # exact float equality, val losses included
     sd_full = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["model"]
     sd_cut = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["model"]
-    assert all(torch.equal(sd_full[k], sd_cut[k]) for k in sd_full)
+    # FP8 layers' _extra_state entries (their policies' states) are plain data
+    assert all(torch.equal(sd_full[k], sd_cut[k]) if torch.is_tensor(sd_full[k]) else sd_full[k] == sd_cut[k]
+               for k in sd_full)
 
 
 def test_resume_rejects_other_config_and_existing_run(tmp_path, corpus):

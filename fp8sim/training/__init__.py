@@ -1,7 +1,9 @@
 """FP8 training path: a tiny byte-level GPT, recipes, FP8 linears, recorder, checkpoints.
 
-Nothing here patches torch: a model becomes FP8 by an explicit
-``convert_to_fp8(model, get_recipe("te-delayed"), backend="emulator")``.
+Nothing here patches torch: a model -- any ``nn.Module``, e.g. a Hugging Face one -- becomes FP8 by
+an explicit ``convert_to_fp8(model, "te-delayed", backend="emulator")``; the FP8-LM recipes, whose
+optimizer, gradient communication and weight storage levels need more than the linear layers, by
+``fp8sim.training.fp8lm.prepare(model, "fp8lm-o2")``.
 """
 
 from fp8sim.training.fp8_linear import Fp8Linear, Fp8State, convert_to_fp8, get_fp8_state

@@ -23,20 +23,26 @@ axis) goes through :func:`fp8sim.scaling.quantize_scaled` and a float32 GEMM on 
 operands, re-casting each operand along the reduction axis of every GEMM that consumes it, as
 Transformer Engine's MXFP8 does (row-wise and column-wise copies).
 
-Scaling policies observe each tensor's amax once per training step (not in eval mode).
+Scaling policies observe each tensor's amax once per training step: only forwards in training
+mode with autograd enabled observe, and a forward that activation checkpointing recomputes inside
+backward reuses the first forward's scales and observes nothing. Each layer's GEMMs run as torch
+custom ops (``fp8sim::fp8_linear`` and its backward), so ``torch.compile`` traces a converted
+model in one graph: the casts (Python, numpy, ``.item()``) run eagerly inside the op.
 Overflow (``|float32(x) * scale| > max``, clamped) and underflow (a nonzero value whose code is
 zero) are counted per cast into :attr:`Fp8State.events`.
 
-Nothing global is touched: ``convert_to_fp8`` replaces the model's own ``nn.Linear`` children
-and keeps their ``Parameter`` objects (optimizers and weight tying keep working).
+Nothing global is touched: ``convert_to_fp8`` replaces the model's own ``nn.Linear`` (and Hugging
+Face ``Conv1D``) children and keeps their ``Parameter`` objects (optimizers and weight tying keep
+working); the custom ops find a layer through a weak registry of the converted layers.
 """
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -101,11 +107,20 @@ class Fp8State:
         self.casts = recipe.casts()
         self.policies = {role: parse_policy(c.policy) for role, c in self.casts.items()}
         self.formats = {role: get_format(c.fmt) for role, c in self.casts.items()}
-        self.step = 0
+        self._step = 0
+        self._explicit_step = False
+        #: tensor name -> (step, scale) of its last observed cast: what a recomputed forward
+        #: (activation checkpointing) casts with again
+        self._cast_scales: dict[str, tuple[int, float]] = {}
+        #: objects with state_dict/load_state_dict whose state travels with the model's state
+        #: dict (in the first FP8 layer's ``_extra_state``), e.g. FP8-LM's gradient reducer
+        self.extra_states: dict[str, Any] = {}
         self.count_events = count_events
         self.events: Counter = Counter()
         self.taps: list[Tap] = []
         self.observing = True
+        self.first_layer: str | None = None  # the converted layer that carries extra_states
+        self._root_hook: Any = None  # the handle of convert_to_fp8's step hook on the root module
         self.gemm_accumulate = gemm_accumulate
 
     @property
@@ -132,22 +147,59 @@ class Fp8State:
         if mode is not None:
             self._mm_kwargs["accumulate"] = mode
 
+    # -- the step ---------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The training step the casts belong to (stochastic rounding seeds, checkpoints).
+
+        It advances by one at each forward of the converted root module in training mode with
+        autograd enabled (see :func:`convert_to_fp8`), unless a loop sets it: after the first
+        assignment ``state.step = n`` the loop owns it and it never advances by itself.
+        """
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = int(value)
+        self._explicit_step = True
+        if self._root_hook is not None:  # the loop owns the step: the root hook has nothing to do
+            self._root_hook.remove()
+            self._root_hook = None
+
+    def _advance_step(self) -> None:
+        if not self._explicit_step:
+            self._step += 1
+
     # -- casts ------------------------------------------------------------------------------
-    def cast(self, name: str, role: str, x: torch.Tensor, *, observe: bool = True) -> Fp8Operand:
+    def cast(self, name: str, role: str, x: torch.Tensor, *, observe: bool = True,
+             recompute: bool = False) -> Fp8Operand:
         """Cast ``x`` (2-D; blocks, if any, along the last axis) for tensor ``name`` in ``role``.
 
-        ``observe=False`` re-casts a tensor already cast this step (MX column-wise copies): no
-        policy update, no count, no tap.
+        ``observe=False`` re-casts a tensor already cast this step (MX column-wise copies, eval
+        and no-grad forwards): no policy update, no count, no tap. ``recompute=True`` is the
+        forward that activation checkpointing runs again in backward: if ``name`` was observed
+        this step it is cast with the scale that cast used (its input is the same, so are its
+        codes) and observes nothing; otherwise (a reentrant checkpoint's first forward ran
+        without autograd) this is the step's observed cast.
         """
         cast, fmt, policy = self.casts[role], self.formats[role], self.policies[role]
         x = x.detach()
+        reused = self._cast_scales.get(name) if recompute else None
+        if reused is not None and reused[0] == self._step:
+            observe = False
+        else:
+            reused = None
         if cast.granularity == "mx":
             op, scale = self._cast_mx(x, fmt, cast, policy), None
             amax = None
         else:
             seed = self._seed(name) if cast.rounding == "stochastic" else None
             kwargs = {"rounding": cast.rounding, "saturate": True, "seed": seed}
-            if policy.just_in_time:  # current scaling: the scale needs this tensor's amax first
+            if reused is not None:  # the scale of this step's first forward
+                scale = reused[1]
+                codes, scale_inv = self.backend.quantize(x, fmt, scale, **kwargs)
+                amax = None
+            elif policy.just_in_time:  # current scaling: the scale needs this tensor's amax first
                 amax = self.backend.amax(x)
                 scale = float(policy.scale_for(name, fmt, current_amax=float(amax)))
                 codes, scale_inv = self.backend.quantize(x, fmt, scale, **kwargs)
@@ -157,6 +209,7 @@ class Fp8State:
             op = Fp8Operand(codes, scale_inv, fmt)
         if not (observe and self.observing):  # re-casts and eval passes leave no trace
             return op
+        self._cast_scales[name] = (self._step, scale)  # scale None: MX, block scales from the tensor
         amax = float(x.float().abs().amax()) if amax is None else float(amax)
         stats = {"numel": x.numel()}
         if getattr(policy, "NAME", "") == "autoscale":  # steered by the share of values cast to +-max
@@ -222,9 +275,37 @@ class Fp8State:
         return {"step": self.step, "policies": {r: p.state_dict() for r, p in self.policies.items()}}
 
     def load_state_dict(self, d: dict) -> None:
-        self.step = int(d["step"])
+        self._step = int(d["step"])  # not the setter: a loop that never set the step still need not
+        self._cast_scales.clear()
         for role, sd in d["policies"].items():
             self.policies[role].load_state_dict(sd)
+
+    def layer_state(self, names: set[str]) -> dict:
+        """The part of the state that belongs to the tensors ``names`` (one layer's), plain data:
+        the step, whether a loop set it, and each role's policy state of those tensors."""
+        out = {"step": self._step, "explicit_step": self._explicit_step, "policies": {}}
+        for role, policy in self.policies.items():
+            sd = policy.state_dict()
+            out["policies"][role] = {"policy": sd["policy"],
+                                     "tensors": {k: v for k, v in sd["tensors"].items() if k in names}}
+        return out
+
+    def load_layer_state(self, names: set[str], d: dict) -> None:
+        """Restore :meth:`layer_state` of the tensors ``names`` (the other tensors keep theirs)."""
+        self._step = int(d["step"])
+        self._explicit_step = bool(d.get("explicit_step", False))
+        self._cast_scales.clear()
+        for role, sd in d["policies"].items():
+            if role not in self.policies:
+                raise ValueError(f"FP8 state for role {role!r}: this model's recipe casts only "
+                                 f"{', '.join(self.policies)}")
+            full = self.policies[role].state_dict()
+            if sd["policy"] != full["policy"]:
+                raise ValueError(f"FP8 state of {role}: saved with policy {sd['policy']!r}, "
+                                 f"this model uses {full['policy']!r}")
+            tensors = {k: v for k, v in full["tensors"].items() if k not in names}
+            tensors.update({k: v for k, v in sd["tensors"].items() if k in names})
+            self.policies[role].load_state_dict({"policy": full["policy"], "tensors": tensors})
 
 
 def _dequantize_blocks(op: Fp8Operand) -> torch.Tensor:
@@ -244,106 +325,306 @@ def _dequantize_blocks(op: Fp8Operand) -> torch.Tensor:
     return values * torch.repeat_interleave(sinv, MX_BLOCK, dim=1)[:, :C]
 
 
-class _Fp8LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Fp8Linear"):
-        st = layer.state
-        xq = st.cast(f"{layer.name}.input", "activation", x)  # (M, K)
-        wq = st.cast(f"{layer.name}.weight", "weight", weight)  # (N, K)
-        y = st.gemm(xq, wq)  # (M, N) float32
-        if bias is not None:
-            y = y + bias
-        if xq.granularity == "tensor":
-            ctx.save_for_backward(xq.codes, xq.scale_inv, wq.codes, wq.scale_inv)
-            ctx.hp = None
-        else:  # MX re-casts along the other axis in backward, from the high-precision tensors
-            ctx.save_for_backward(x, weight)
-            ctx.hp = True
-        ctx.layer, ctx.fmts, ctx.has_bias = layer, (xq.fmt, wq.fmt), bias is not None
-        return y
+# -- the FP8 linear as two custom ops ---------------------------------------------------------------
+# The forward and backward are torch custom ops (torch.library): opaque to torch.compile, which
+# traces each layer's call without a graph break and without guards on the layer's name or
+# policy state (the casts run eagerly inside the op, .item() and numpy included). An op takes
+# tensors and plain values only, so a layer is passed as its key in _LAYERS (a weak registry:
+# a layer that is gone is gone from it).
 
-    @staticmethod
-    def backward(ctx, gy: torch.Tensor):
-        layer = ctx.layer
-        st = layer.state
-        gy = gy.contiguous()
-        gq = st.cast(f"{layer.name}.grad_output", "grad_output", gy)  # (M, N)
-        if ctx.hp is None:
-            xc, xs, wc, ws = ctx.saved_tensors
-            xq = Fp8Operand(xc, xs, ctx.fmts[0])
-            wq = Fp8Operand(wc, ws, ctx.fmts[1])
+_LAYERS: "weakref.WeakValueDictionary[int, Fp8Linear]" = weakref.WeakValueDictionary()
+
+
+def _saved_specs(layer: "Fp8Linear", m: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of what the forward saves: codes + scale_inv of X (M, K) and W (N, K),
+    or for MX the float32 X and W (the backward re-casts them along the other axis)."""
+    k, n = layer.in_features, layer.out_features
+    if layer.state.casts["activation"].granularity == "tensor":
+        return [((m, k), torch.uint8), ((), torch.float32), ((n, k), torch.uint8), ((), torch.float32)]
+    return [((m, k), torch.float32), ((0,), torch.float32), ((n, k), torch.float32), ((0,), torch.float32)]
+
+
+@torch.library.custom_op("fp8sim::fp8_linear", mutates_args=())
+def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], key: int,
+                   out_dtype: torch.dtype, observe: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor, torch.Tensor]:
+    """``y = x W^T + b`` on FP8 operands: float32 GEMM outside autocast, one rounding to
+    ``out_dtype``; returns ``y`` (M, N) and the four tensors the backward needs.
+
+    ``observe``: a training forward (else eval / no grad: the policies' current scales, nothing
+    observed). Run inside a backward pass it is activation checkpointing's recomputed forward:
+    the casts reuse this step's first forward's scales and observe nothing."""
+    layer = _LAYERS[key]
+    st = layer.state
+    recompute = observe and _in_backward()
+    with torch.autocast(x.device.type, enabled=False):  # the emulated GEMM is never autocast
+        x32 = x.detach().to(torch.float32)  # (M, K); exact from bf16 / fp16
+        w32 = weight.detach().to(torch.float32)  # (N, K), or (K, N) for a transposed layer
+        if layer.transposed:  # HF Conv1D stores W^T; the cast sees W (N, K), as nn.Linear's
+            w32 = w32.t().contiguous()
+        xq = st.cast(f"{layer.name}.input", "activation", x32, observe=observe, recompute=recompute)
+        wq = st.cast(f"{layer.name}.weight", "weight", w32, observe=observe, recompute=recompute)
+        y = st.gemm(xq, wq)  # (M, N) float32
+        if bias is not None:  # the GEMM epilogue's float32 add, before the one rounding
+            y = y + bias.detach().to(torch.float32)
+    if xq.granularity == "tensor":
+        saved = (xq.codes, xq.scale_inv, wq.codes, wq.scale_inv)
+    else:  # MX re-casts along the other axis in backward, from the high-precision tensors
+        empty = torch.zeros(0, dtype=torch.float32)
+        saved = (x32, empty, w32, empty.clone())
+    # outputs of a custom op may not alias its inputs or each other
+    saved = tuple(t.reshape(shape).to(dtype).clone() for t, (shape, dtype) in zip(saved, _saved_specs(layer, x.shape[0])))
+    return (y.to(out_dtype),) + saved
+
+
+@_fp8_linear_op.register_fake
+def _(x, weight, bias, key, out_dtype, observe):
+    layer = _LAYERS[key]
+    m = x.shape[0]
+    y = x.new_empty((m, layer.out_features), dtype=out_dtype)
+    return (y,) + tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in _saved_specs(layer, m))
+
+
+@torch.library.custom_op("fp8sim::fp8_linear_backward", mutates_args=())
+def _fp8_linear_backward_op(gy: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor,
+                            s3: torch.Tensor, key: int, observe: bool, x_dtype: torch.dtype, w_dtype: torch.dtype,
+                            b_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dX = dY W`` and ``dW = dY^T X`` on FP8 operands (and ``db``, empty without a bias), in
+    the dtypes of x, the stored weight (its layout too) and the bias."""
+    layer = _LAYERS[key]
+    st = layer.state
+    fmt_x, fmt_w = st.formats["activation"], st.formats["weight"]
+    with torch.autocast(gy.device.type, enabled=False):
+        gy = gy.to(torch.float32).contiguous()  # (M, N); exact from bf16 / fp16
+        gq = st.cast(f"{layer.name}.grad_output", "grad_output", gy, observe=observe)
+        if s0.dtype == torch.uint8:  # tensor scaling: the FP8 X and W of the forward
+            xq, wq = Fp8Operand(s0, s1, fmt_x), Fp8Operand(s2, s3, fmt_w)
             dx = st.gemm(gq, wq.t())  # (M, N) x (N, K) -> (M, K)
             dw = st.gemm(gq.t(), xq.t())  # (N, M) x (M, K) -> (N, K)
         else:
-            x, w = ctx.saved_tensors
+            x, w = s0, s2
             wt = st.cast(f"{layer.name}.weight", "weight", w.t().contiguous(), observe=False)  # (K, N)
             gt = st.cast(f"{layer.name}.grad_output", "grad_output", gy.t().contiguous(), observe=False)
             xt = st.cast(f"{layer.name}.input", "activation", x.t().contiguous(), observe=False)  # (K, M)
             dx = st.gemm(gq, wt)
             dw = st.gemm(gt, xt)
         if "weight_grad" in st.casts:  # FP8-LM O1: the weight gradient itself travels in FP8
-            dwq = st.cast(f"{layer.name}.weight_grad", "weight_grad", dw)
+            dwq = st.cast(f"{layer.name}.weight_grad", "weight_grad", dw, observe=observe)
             dw = _dequantize_blocks(dwq) if dwq.granularity != "tensor" else st.backend.dequantize(
                 dwq.codes, dwq.fmt, dwq.scale_inv, out_dtype=torch.float32)
-        db = gy.sum(0) if ctx.has_bias else None
-        return dx, dw, db, None
+        db = gy.sum(0).to(b_dtype) if b_dtype is not None else gy.new_zeros(0)
+    if layer.transposed:
+        dw = dw.t()  # (K, N), the stored layout
+    return dx.to(x_dtype), dw.to(w_dtype).contiguous(), db
+
+
+@_fp8_linear_backward_op.register_fake
+def _(gy, s0, s1, s2, s3, key, observe, x_dtype, w_dtype, b_dtype):
+    layer = _LAYERS[key]
+    m, k, n = gy.shape[0], layer.in_features, layer.out_features
+    w_shape = (k, n) if layer.transposed else (n, k)
+    db = gy.new_empty((n,), dtype=b_dtype) if b_dtype is not None else gy.new_empty((0,), dtype=gy.dtype)
+    return gy.new_empty((m, k), dtype=x_dtype), gy.new_empty(w_shape, dtype=w_dtype), db
+
+
+def _fp8_linear_setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, key, out_dtype, observe = inputs
+    ctx.save_for_backward(*output[1:])
+    ctx.key, ctx.observe = key, observe
+    ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+
+
+def _fp8_linear_autograd(ctx, gy, *unused):
+    x_dtype, w_dtype, b_dtype = ctx.dtypes
+    dx, dw, db = _fp8_linear_backward_op(gy, *ctx.saved_tensors, ctx.key, ctx.observe, x_dtype, w_dtype, b_dtype)
+    return dx, dw, (db if b_dtype is not None else None), None, None, None
+
+
+_fp8_linear_op.register_autograd(_fp8_linear_autograd, setup_context=_fp8_linear_setup_context)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass now (a checkpointed forward is recomputed
+    inside one, both by ``torch.utils.checkpoint`` and by Hugging Face's checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class Fp8Linear(nn.Module):
-    """Drop-in for ``nn.Linear`` whose GEMMs run in FP8 (see the module docstring).
+    """Drop-in for ``nn.Linear`` (or a subclass, or Hugging Face's ``Conv1D``) whose GEMMs run
+    in FP8 (see the module docstring).
 
-    Shares ``weight``/``bias`` Parameters with the linear it replaces; ``name`` is its qualified
-    module name (the prefix of its tensors' names in policies and traces).
+    Shares ``weight``/``bias`` Parameters with the module it replaces, in their stored layout and
+    dtype: ``transposed`` is True for ``Conv1D``, whose weight is (in, out) and ``y = x W + b``;
+    the casts and traces see ``W`` as (out, in) either way, and the gradient comes back in the
+    stored layout. ``name`` is its qualified module name (the prefix of its tensors' names in
+    policies and traces).
+
+    The output has the input's dtype, or autocast's (``torch.get_autocast_dtype``) inside an
+    autocast region: the float32 GEMM result plus bias is rounded once to it. The policies
+    observe only forwards in training mode with autograd enabled (``model.eval()`` or
+    ``torch.no_grad()`` cast with the current scales and record nothing). The layer's share of
+    the FP8 state (its tensors' policy states, the step) is its ``_extra_state`` in
+    ``state_dict()``.
     """
 
-    def __init__(self, linear: nn.Linear, name: str, state: Fp8State) -> None:
+    def __init__(self, module: nn.Module, name: str, state: Fp8State) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+        self.transposed = _is_hf_conv1d(module)
+        if self.transposed:
+            self.in_features, self.out_features = module.weight.shape
+        else:
+            self.in_features, self.out_features = module.in_features, module.out_features
+        self.weight = module.weight
+        self.bias = module.bias
         self.name = name
         self.state = state  # plain attribute: shared, not a submodule
+        self._key = id(self)  # this layer in the custom ops' registry
+        _LAYERS[self._key] = self
+
+    def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle: the copy is its own layer
+        super().__setstate__(state)
+        self._key = id(self)
+        _LAYERS[self._key] = self
+
+    def tensor_names(self) -> set[str]:
+        """The names of this layer's tensors in the policies and traces."""
+        return {f"{self.name}.{r}" for r in ("input", "weight", "grad_output", "weight_grad")}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, K), M = prod(lead)
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
-        y = _Fp8LinearFunction.apply(x2, self.weight, self.bias, self)  # (M, N)
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        observe = self.training and torch.is_grad_enabled()  # eval / no grad: nothing observed
+        y = _fp8_linear_op(x2, self.weight, self.bias, self._key, out_dtype, observe)[0]  # (M, N)
         return y.view(*lead, self.out_features)
+
+    # -- the FP8 state in state_dict() ----------------------------------------------------------
+    def get_extra_state(self) -> dict:
+        out = self.state.layer_state(self.tensor_names())
+        if self.state.extra_states and fp8_linears_first(self):
+            out["extra"] = {k: v.state_dict() for k, v in self.state.extra_states.items()}
+        return out
+
+    def set_extra_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or "policies" not in state:
+            raise ValueError(f"{self.name}: FP8 extra state must be a dict saved by Fp8Linear, got {type(state).__name__}")
+        self.state.load_layer_state(self.tensor_names(), state)
+        for key, sd in state.get("extra", {}).items():
+            if key not in self.state.extra_states:
+                raise ValueError(f"{self.name}: the saved FP8 state holds {key!r}, which this model was not "
+                                 f"prepared with (prepare it as the saved one was)")
+            self.state.extra_states[key].load_state_dict(sd)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # a state dict saved before conversion has no FP8 state: the layer keeps its fresh one
+        had = prefix + "_extra_state" in state_dict
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if not had and prefix + "_extra_state" in missing_keys:
+            missing_keys.remove(prefix + "_extra_state")
 
     def extra_repr(self) -> str:
         roles = ", ".join(f"{r}={c.fmt}" for r, c in self.state.casts.items())
-        return f"in_features={self.in_features}, out_features={self.out_features}, {roles}"
+        layout = ", transposed (HF Conv1D)" if self.transposed else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {roles}{layout}"
+
+
+def fp8_linears_first(layer: Fp8Linear) -> bool:
+    """Whether ``layer`` is the first converted layer of its state (it carries the shared extras)."""
+    return layer.state.first_layer == layer.name
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (checked by class, without importing
+    transformers): weight (in, out), ``y = x W + b``."""
+    return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers.") for c in type(module).__mro__)
+
+
+#: a module filter: ``(module, fully qualified name) -> bool``, torchao's convention
+ModuleFilter = Callable[[nn.Module, str], bool]
 
 
 def convert_to_fp8(
-    model: nn.Module, recipe: Recipe | LinearRecipe, backend: str | Any = "emulator", *, count_events: bool = True,
+    model: nn.Module, recipe: Recipe | LinearRecipe | str, backend: str | Any = "emulator", *,
+    module_filter_fn: ModuleFilter | None = None, count_events: bool = True,
     gemm_accumulate: str | None = "float32",
 ) -> nn.Module:
-    """Replace the ``nn.Linear`` modules of ``model`` (in place) by :class:`Fp8Linear`.
+    """Replace the linear layers of ``model`` (in place) by :class:`Fp8Linear`; returns ``model``.
 
-    Modules whose qualified name ends with an entry of ``recipe.skip`` stay as they are. All
-    converted layers share one :class:`Fp8State` (``gemm_accumulate``: see there); returns
-    ``model``. A recipe without FP8 GEMMs (``recipe.linear is None``) raises ValueError.
+    Converted: every module that is an ``nn.Linear`` (``isinstance``: subclasses too) or a Hugging
+    Face ``Conv1D`` (GPT-2's projections; its transposed weight stays as stored) for which
+    ``module_filter_fn(module, fqn)`` is True. Without a filter, modules whose qualified name ends
+    with an entry of the recipe's ``skip`` (``lm_head`` in the built-in recipes) stay as they are;
+    a filter replaces that default (torchao's ``convert_to_float8_training`` converts every
+    ``nn.Linear`` the filter accepts; unlike torchao, fp8sim has no dimension-multiple-of-16 rule,
+    since the emulator needs none, and it converts ``Conv1D``). Parameters are kept (the same
+    ``Parameter`` objects, dtypes and layouts: optimizers and weight tying keep working).
+
+    ``recipe``: a registered name (``"te-delayed"``), a :class:`Recipe` or a :class:`LinearRecipe`.
+    Only the recipe's linear level is applied: for the FP8-LM recipes (``fp8lm-o1``/``-o2``/``-o3``:
+    FP8 optimizer, FP8 gradient communication, FP8 weight storage) use
+    :func:`fp8sim.training.fp8lm.prepare`, which applies every level. All converted layers share
+    one :class:`Fp8State` (``gemm_accumulate``: see there). ValueError when the recipe has no FP8
+    GEMMs, when the model is already converted, when nothing was converted (torchao returns the
+    model unchanged) and when ``model`` is itself a linear layer (torchao returns a new module;
+    fp8sim converts in place only).
+
+    Deliberate differences from torchao's float8 layers besides those: the bias is added to the
+    float32 GEMM result before its one rounding to the output dtype (as a cuBLASLt epilogue;
+    torchao adds it after, in the output dtype), and scaling policies may be stateful (delayed,
+    MS-AMP, AutoScale), so their state is in ``state_dict()`` and only training forwards observe.
+
+    The step (:attr:`Fp8State.step`) advances at each forward of ``model`` in training mode with
+    autograd enabled (a forward pre-hook on ``model``), unless the loop sets it.
     """
+    from fp8sim.training.recipes import get_recipe
+
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)
     linear_recipe = recipe.linear if isinstance(recipe, Recipe) else recipe
     if not isinstance(linear_recipe, LinearRecipe):
         name = getattr(recipe, "name", recipe)
         raise ValueError(f"convert_to_fp8: recipe {name!r} has no FP8 linear layers")
     if get_fp8_state(model) is not None:
-        raise ValueError("convert_to_fp8: model is already converted")
-    state = Fp8State(linear_recipe, backend, count_events=count_events, gemm_accumulate=gemm_accumulate)
+        raise ValueError("convert_to_fp8: model is already converted (it holds Fp8Linear layers)")
+    if module_filter_fn is None:
+        def module_filter_fn(mod: nn.Module, fqn: str) -> bool:
+            return not any(fqn.endswith(s) for s in linear_recipe.skip)
+
     targets = [
         (name, mod)
         for name, mod in model.named_modules()
-        if type(mod) is nn.Linear and not any(name.endswith(s) for s in linear_recipe.skip)
+        if (isinstance(mod, nn.Linear) or _is_hf_conv1d(mod)) and name and module_filter_fn(mod, name)
     ]
+    if isinstance(model, nn.Linear) or _is_hf_conv1d(model):
+        raise ValueError("convert_to_fp8: model is itself a linear layer; wrap it (nn.Sequential(layer)) so it can "
+                         "be replaced in place")
+    if not targets:
+        found = sum(1 for _, m in model.named_modules() if isinstance(m, nn.Linear) or _is_hf_conv1d(m))
+        why = (f"module_filter_fn (or, without one, the recipe's skip list {linear_recipe.skip}) rejected all "
+               f"{found} nn.Linear / Conv1D modules" if found else "the model has no nn.Linear or Conv1D module")
+        raise ValueError(f"convert_to_fp8: nothing converted: {why}")
+    state = Fp8State(linear_recipe, backend, count_events=count_events, gemm_accumulate=gemm_accumulate)
+    state.first_layer = targets[0][0]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Fp8Linear(mod, name, state))
+    state._root_hook = model.register_forward_pre_hook(_advance_step_hook(state))
     return model
+
+
+def _advance_step_hook(state: Fp8State):
+    # never traced by torch.compile: the step is a Python int that changes every step (a guard on
+    # it would recompile every step); the hook runs eagerly before the compiled graph
+    @torch.compiler.disable
+    def hook(module: nn.Module, args) -> None:
+        if module.training and torch.is_grad_enabled() and not _in_backward():
+            state._advance_step()
+
+    return hook
 
 
 def fp8_linears(model: nn.Module) -> list[Fp8Linear]:

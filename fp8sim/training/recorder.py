@@ -16,7 +16,8 @@ at steps 1, K+1, 2K+1, ...
 
 Steps: a trainer calls :meth:`Recorder.begin_step` / :meth:`Recorder.end_step`. In a user's own
 loop without those calls, every forward of the root module with autograd enabled in training mode
-starts a new step (1, 2, ...). Forwards without autograd (evaluation) are not recorded.
+starts a new step (1, 2, ...). Forwards without autograd or in eval mode, and their backward, are
+not recorded; a forward that activation checkpointing recomputes is recorded once.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class Recorder:
         self.writer = TraceWriter(self.path, meta, mode="a" if append else "w", chunk_steps=chunk_steps)
         self.step = 0
         self._explicit = False
+        # whether the root's last forward was a training forward with autograd: only those (and
+        # their backward) are recorded; an eval-mode or no-grad forward records nothing
+        self._training_forward = False
         # tensors already in an appended trace are declared; new ones are declared on first sight
         self._declared: set[str] = {t.name for t in TraceReader(self.path).tensors} if append else set()
         self._handles: list[Any] = []
@@ -99,7 +103,7 @@ class Recorder:
             self.state.taps.append(self._on_cast)
             layers = [(m.name, m) for m in fp8_linears(self.model)]
         else:
-            layers = [(n, m) for n, m in self.model.named_modules() if type(m) is nn.Linear]
+            layers = [(n, m) for n, m in self.model.named_modules() if isinstance(m, nn.Linear)]
             for name, mod in layers:
                 self._handles.append(mod.register_forward_pre_hook(self._make_forward_hook(name)))
                 self._handles.append(mod.register_forward_hook(self._make_output_hook(name)))
@@ -111,14 +115,20 @@ class Recorder:
                 seen.add(id(mod.weight))
                 self._handles.append(mod.weight.register_post_accumulate_grad_hook(self._make_wgrad_hook(name)))
 
+    @torch.compiler.disable  # a Python step counter: traced, it would be a guard (a recompile a step)
     def _root_pre_forward(self, module, args) -> None:
-        if not self._explicit and torch.is_grad_enabled() and module.training:
+        if torch._C._current_graph_task_id() != -1:
+            return  # activation checkpointing recomputing a forward inside backward
+        self._training_forward = torch.is_grad_enabled() and module.training
+        if not self._explicit and self._training_forward:
             self.step += 1
 
     def _make_forward_hook(self, name: str):
         def hook(module: nn.Linear, args) -> None:
-            if not torch.is_grad_enabled() or self.step < 1:
+            if not (self._training_forward and torch.is_grad_enabled() and module.training) or self.step < 1:
                 return
+            if torch._C._current_graph_task_id() != -1:
+                return  # a checkpointed forward recomputed in backward: recorded the first time
             x = args[0].detach()
             self._record_hypothetical(f"{name}.input", "activation", x.reshape(-1, x.shape[-1]))
             self._record_hypothetical(f"{name}.weight", "weight", module.weight.detach())
@@ -133,14 +143,17 @@ class Recorder:
                 self._record_hypothetical(f"{name}.grad_output", "grad_output", g.detach().reshape(-1, g.shape[-1]))
 
         def hook(module: nn.Linear, args, output) -> None:
-            if torch.is_grad_enabled() and self.step >= 1 and output.requires_grad:
+            # a checkpointed forward is recomputed in backward: that output's gradient is the one
+            # computed (the first forward's output is not part of the graph backward runs)
+            if (self._training_forward and torch.is_grad_enabled() and module.training and self.step >= 1
+                    and output.requires_grad):
                 output.register_hook(on_grad)
 
         return hook
 
     def _make_wgrad_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
-            if param.grad is not None and self.step >= 1:
+            if param.grad is not None and self.step >= 1 and self._training_forward:
                 self._record_hypothetical(f"{name}.weight_grad", "weight_grad", param.grad.detach())
 
         return hook
@@ -166,7 +179,8 @@ class Recorder:
         self._write(name, role, x, fmt, scale, amax)
 
     def _on_cast(self, name: str, role: str, x: torch.Tensor, cast: CastConfig, scale, op: Fp8Operand) -> None:
-        """Tap of an FP8 model: the live cast, with the scale it used."""
+        """Tap of an FP8 model: the live cast, with the scale it used (the model calls it only
+        for observed casts: training forwards with autograd, each once)."""
         if self.step < 1:
             return
         amax = float(x.float().abs().amax()) if x.numel() else 0.0
