@@ -15,7 +15,7 @@ import importlib
 import os
 import sys
 
-from fp8sim.commands._output import one_line
+from fp8sim.commands.output import one_line
 
 __all__ = ["main", "build_parser", "COMMAND_MODULES"]
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from fp8sim.atomic_file import atomic_write
-from fp8sim.commands._output import one_line
+from fp8sim.commands.output import one_line
 
 __all__ = ["register", "run_analyze", "run_replay"]
 

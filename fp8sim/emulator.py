@@ -114,7 +114,7 @@ def decode_table(fmt: FloatFormat | str, dtype: Any = np.float64) -> np.ndarray:
 # -- input handling ---------------------------------------------------------------------------
 
 
-def _is_torch(x: Any) -> bool:
+def is_torch_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
 
 
@@ -124,7 +124,7 @@ def as_float_array(x: Any, what: str = "x") -> tuple[np.ndarray, bool]:
     float16 and bfloat16 (ml_dtypes or torch) widen exactly to float32; float32/float64 pass
     through (no copy when possible). Integer, complex or other inputs raise TypeError.
     """
-    from_torch = _is_torch(x)
+    from_torch = is_torch_tensor(x)
     if from_torch:
         import torch
 
@@ -181,7 +181,7 @@ def _stochastic_inputs(
     if (rbits is None) == (seed is None):
         raise ValueError("stochastic rounding needs exactly one of rbits= or seed=")
     if rbits is not None:
-        if _is_torch(rbits):
+        if is_torch_tensor(rbits):
             rbits = rbits.detach().cpu().numpy()
         rb = np.asarray(rbits)
         if not rb.dtype.isnative:
@@ -364,7 +364,7 @@ def decode(codes: Any, fmt: FloatFormat | str, *, dtype: Any = np.float32) -> An
     torch; ml_dtypes gives -NaN).
     """
     fmt = get_format(fmt)
-    from_torch = _is_torch(codes)
+    from_torch = is_torch_tensor(codes)
     if from_torch:
         import torch
 

@@ -179,3 +179,57 @@ def test_the_trace_package_imports_only_the_core():
             if m.split(".")[:2] == ["fp8sim", "trace"]:
                 bad = [t for t in targets if "." in t and t.split(".")[1] in outside_core]
                 assert not bad, (m, kind, bad)
+
+
+#: the one private package other modules may import private helpers from: numba plumbing
+PRIVATE_HELPERS = "fp8sim._numba"
+
+
+def _private_imports() -> list[str]:
+    """``module:line name`` for every import of another module's private object or module
+    (a name or path part starting with one underscore), outside :data:`PRIVATE_HELPERS`."""
+    def private(part: str) -> bool:
+        return part.startswith("_") and not part.startswith("__")
+
+    found = []
+    for mod, path in _installed_modules().items():
+        own_pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if not node.module.startswith("fp8sim"):
+                    continue
+                target = node.module
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names, target = [], None
+                for a in node.names:
+                    if a.name.startswith("fp8sim") and any(map(private, a.name.split("."))):
+                        if not (a.name + ".").startswith(PRIVATE_HELPERS + "."):
+                            found.append(f"{mod}:{node.lineno} import {a.name}")
+                continue
+            else:
+                continue
+            if (target + ".").startswith(PRIVATE_HELPERS + "."):
+                continue
+            if target == mod:
+                continue
+            modules = _installed_modules()
+            # a package's own private submodules are its business: ``from pkg import _mod``
+            bad = [n for n in names if private(n)
+                   and not (target == own_pkg and f"{target}.{n}" in modules)]
+            if any(map(private, target.split("."))) and target.rpartition(".")[0] != own_pkg:
+                bad.append(f"(module {target})")
+            found += [f"{mod}:{node.lineno} from {target} import {n}" for n in bad]
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert _private_imports() == []
+
+
+def test_the_private_import_check_sees_a_violation(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from fp8sim.emulator import _is_torch\nfrom fp8sim._numba.jit import jit_kernel\n")
+    real = _installed_modules()
+    monkeypatch.setitem(globals(), "_installed_modules", lambda: {**real, "fp8sim.bad": bad})
+    assert _private_imports() == ["fp8sim.bad:1 from fp8sim.emulator import _is_torch"]

@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 
-from fp8sim.commands._output import print_json, print_table
+from fp8sim.commands.output import print_json, print_table
 from fp8sim.emulator import ROUNDING_MODES, decode, encode
 from fp8sim.formats import get_format
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fp8sim.commands._output import info, print_json, print_table
+from fp8sim.commands.output import info, print_json, print_table
 
 __all__ = ["register", "run", "LIBRARIES", "MAX_PATTERNS"]
 

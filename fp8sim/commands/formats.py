@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fp8sim.commands._output import print_json, print_table
+from fp8sim.commands.output import print_json, print_table
 from fp8sim.formats import get_format, list_formats
 
 __all__ = ["register", "run", "format_record"]

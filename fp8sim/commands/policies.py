@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fp8sim.commands._output import print_json
+from fp8sim.commands.output import print_json
 from fp8sim.policies import POLICY_SPECS, format_param, parse_policy
 
 __all__ = ["register", "run"]

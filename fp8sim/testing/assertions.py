@@ -24,17 +24,17 @@ from typing import Any, Callable
 import numpy as np
 
 from fp8sim.backends.cases import edge_values, random_values
-from fp8sim.emulator import _is_torch, decode_table, encode
+from fp8sim.emulator import is_torch_tensor, decode_table, encode
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.testing import _report as rep
-from fp8sim.testing.strategies import _HYPOTHESIS_HINT, _as_dtype, arrays, tie_values
+from fp8sim.testing.strategies import HYPOTHESIS_HINT, as_dtype, arrays, tie_values
 
 __all__ = ["assert_bitexact"]
 
 # -- moving arrays in and out of the user's function ----------------------------------------
 
 
-def _to_input(x: np.ndarray, device: str | None) -> Any:
+def to_input(x: np.ndarray, device: str | None) -> Any:
     """A copy of ``x`` for the user's function: numpy, or a torch tensor on ``device``."""
     if device is None:
         return x.copy()
@@ -47,8 +47,8 @@ def _to_input(x: np.ndarray, device: str | None) -> Any:
     return t.to(device)
 
 
-def _as_numpy(out: Any) -> np.ndarray:
-    if _is_torch(out):
+def as_numpy(out: Any) -> np.ndarray:
+    if is_torch_tensor(out):
         import torch
 
         t = out.detach().cpu()
@@ -62,11 +62,11 @@ def _as_numpy(out: Any) -> np.ndarray:
     return np.asarray(out)
 
 
-def _received_codes(out: Any, fmt: FloatFormat, shape: tuple, what: str) -> np.ndarray:
+def received_codes(out: Any, fmt: FloatFormat, shape: tuple, what: str) -> np.ndarray:
     """The codes ``out`` (numpy or torch) as int64 of ``shape``: integers as they are; any other
     1- or 2-byte dtype (float8, float16, bfloat16, ml_dtypes types) read as its bits.
     TypeError or AssertionError when it cannot be codes."""
-    arr = _as_numpy(out)
+    arr = as_numpy(out)
     size = arr.dtype.itemsize
     if arr.dtype.kind == "b" or size > 2 and arr.dtype.kind not in "ui":
         raise TypeError(
@@ -82,7 +82,7 @@ def _received_codes(out: Any, fmt: FloatFormat, shape: tuple, what: str) -> np.n
     return arr.astype(np.int64)
 
 
-def _bad_codes(expected: np.ndarray, received: np.ndarray, fmt: FloatFormat,
+def bad_codes(expected: np.ndarray, received: np.ndarray, fmt: FloatFormat,
                exact_nan: bool) -> np.ndarray:
     """Elements whose codes differ; any NaN code matches an expected NaN unless ``exact_nan``."""
     bad = expected.astype(np.int64) != received
@@ -117,28 +117,28 @@ def _ties_in_dtype(fmt: FloatFormat, dtype: np.dtype) -> np.ndarray:
     float64 inputs these lie between float32 values: a cast through float32 double-rounds
     them; float32's own neighbours are among the edge cases already)."""
     t = tie_values(fmt)
-    t = _as_dtype(t[np.isfinite(t)].astype(np.float64), dtype)
+    t = as_dtype(t[np.isfinite(t)].astype(np.float64), dtype)
     with np.errstate(all="ignore"):
         zero, inf = np.zeros(1, dtype), np.full(1, np.inf, dtype)
         return np.concatenate([t, np.nextafter(t, zero), np.nextafter(t, inf),
                                np.nextafter(t, -inf)])
 
 
-def _check_hypothesis() -> Any:
+def check_hypothesis() -> Any:
     try:
         import hypothesis
     except ImportError as exc:
         raise ImportError(
-            f"{_HYPOTHESIS_HINT}; or pass max_examples=0 to check the fixed edge cases only"
+            f"{HYPOTHESIS_HINT}; or pass max_examples=0 to check the fixed edge cases only"
         ) from exc
     return hypothesis
 
 
-def _find(strategy: Any, fails: Callable[[np.ndarray], bool], max_examples: int,
+def find_failing(strategy: Any, fails: Callable[[np.ndarray], bool], max_examples: int,
           hypothesis_seed: int | None, name: str) -> np.ndarray | None:
     """A (shrunk) draw of ``strategy`` on which ``fails`` is true, or None after
     ``max_examples`` draws."""
-    hypothesis = _check_hypothesis()
+    hypothesis = check_hypothesis()
     from hypothesis.errors import Flaky, NoSuchExample
 
     settings = hypothesis.settings(
@@ -151,16 +151,16 @@ def _find(strategy: Any, fails: Callable[[np.ndarray], bool], max_examples: int,
     except NoSuchExample:
         return None
     except Flaky:  # wrong once, right when hypothesis called it again on the same draw
-        _not_deterministic(name)
+        not_deterministic(name)
 
 
-def _not_deterministic(name: str) -> None:
+def not_deterministic(name: str) -> None:
     """The search found an input ``name`` got wrong, but the rerun on it agreed."""
     raise AssertionError(f"{name} gave a wrong result on an array drawn by hypothesis but the "
                          "right one when called again on it: its results are not deterministic")
 
 
-def _call_repr(name: str, fmt: FloatFormat, kw: dict, extra: str = "") -> str:
+def call_repr(name: str, fmt: FloatFormat, kw: dict, extra: str = "") -> str:
     opts = ", ".join(f"{k}={v!r}" for k, v in kw.items() if v is not None)
     return f"{name}(x, {fmt.name!r}{extra}, {opts})"
 
@@ -168,7 +168,7 @@ def _call_repr(name: str, fmt: FloatFormat, kw: dict, extra: str = "") -> str:
 # -- unscaled casts ---------------------------------------------------------------------------
 
 
-def _code_rows(x: np.ndarray, expected: np.ndarray, received: np.ndarray, bad: np.ndarray,
+def code_rows(x: np.ndarray, expected: np.ndarray, received: np.ndarray, bad: np.ndarray,
                fmt: FloatFormat, max_report: int, product: np.ndarray | None = None) -> str:
     flat = np.flatnonzero(bad)
     header = ["index", "input"] + (["x * scale (float32)"] if product is not None else []) + [
@@ -232,38 +232,38 @@ def assert_bitexact(
     """
     fmt = get_format(fmt)
     kw = dict(rounding=rounding, saturate=saturate, seed=seed, srbits=srbits)
-    call = _call_repr("fp8sim.encode", fmt, kw)
-    dtype = np.dtype(_as_dtype(np.zeros(0), dtype).dtype)
+    call = call_repr("fp8sim.encode", fmt, kw)
+    dtype = np.dtype(as_dtype(np.zeros(0), dtype).dtype)
     name = getattr(fn, "__name__", "fn")
 
     def check(x: np.ndarray, where: str, raise_: bool = True) -> bool:
         x = x.reshape(-1)
         x = x[_encodable(x, fmt, kw)]
         expected = encode(x, fmt, **kw)
-        received = _received_codes(fn(_to_input(x, device)), fmt, x.shape, name)
-        bad = _bad_codes(expected, received, fmt, exact_nan)
+        received = received_codes(fn(to_input(x, device)), fmt, x.shape, name)
+        bad = bad_codes(expected, received, fmt, exact_nan)
         if not bad.any():
             return False
         if raise_:
             report = (f"{name} is not bit-exact to {call}\non {where}.\n"
-                      + _code_rows(x, expected, received, bad, fmt, max_report))
+                      + code_rows(x, expected, received, bad, fmt, max_report))
             raise AssertionError(rep.with_msg(report, msg))
         return True
 
     fixed = [] if inputs is None else [np.asarray(a) for a in (
         inputs if isinstance(inputs, (list, tuple)) else [inputs])]
     fixed += [edge_values(fmt), _ties_in_dtype(fmt, dtype), random_values(256, seed=0)]
-    x = np.concatenate([_as_dtype(np.asarray(a, np.float64).reshape(-1), dtype) for a in fixed])
+    x = np.concatenate([as_dtype(np.asarray(a, np.float64).reshape(-1), dtype) for a in fixed])
     check(x, f"{x.size} fixed {dtype.name} inputs ({'your inputs, ' if inputs is not None else ''}"
              f"the edge cases of {fmt.name}, 256 random values)")
     if max_examples > 0:
-        _check_hypothesis()
+        check_hypothesis()
         from hypothesis import strategies as st
 
         strategy = arrays(fmt, st.tuples(st.integers(1, 64)), dtype=dtype)
-        found = _find(strategy, lambda a: check(a, "", raise_=False), max_examples,
+        found = find_failing(strategy, lambda a: check(a, "", raise_=False), max_examples,
                       hypothesis_seed, name)
         if found is not None:
             check(found, f"a {dtype.name} array drawn by hypothesis (shrunk; hypothesis_seed="
                          f"{hypothesis_seed})")
-            _not_deterministic(name)
+            not_deterministic(name)

@@ -20,17 +20,17 @@ from fp8sim.scaling import (
 )
 from fp8sim.testing import _report as rep
 from fp8sim.testing.assertions import (
-    _as_numpy,
-    _bad_codes,
-    _call_repr,
-    _check_hypothesis,
-    _code_rows,
-    _find,
-    _not_deterministic,
-    _received_codes,
-    _to_input,
+    as_numpy,
+    bad_codes,
+    call_repr,
+    check_hypothesis,
+    code_rows,
+    find_failing,
+    not_deterministic,
+    received_codes,
+    to_input,
 )
-from fp8sim.testing.strategies import _as_dtype, arrays, tie_values
+from fp8sim.testing.strategies import as_dtype, arrays, tie_values
 
 __all__ = ["assert_scaled_bitexact"]
 
@@ -97,7 +97,7 @@ def _received_scale(s: Any, fmt: FloatFormat, gran: Granularity, grid: tuple, wh
                     ) -> np.ndarray:
     """scale_inv as float32 of the grid's size (any shape of that size; MX scales may come as
     E8M0 codes, uint8)."""
-    arr = _as_numpy(s)
+    arr = as_numpy(s)
     if gran.kind == "mx" and arr.dtype == np.uint8:
         arr = np.where(arr == 255, np.nan, np.ldexp(1.0, arr.astype(np.int64) - 127))
     if arr.dtype.kind != "f":
@@ -169,24 +169,24 @@ def assert_scaled_bitexact(
     gran = parse_granularity(granularity)
     kw = dict(rounding=rounding, saturate=saturate, seed=seed, srbits=srbits)
     skw = dict(margin=margin, pow2=pow2, epsilon=epsilon) if gran.kind != "mx" else {}
-    call = _call_repr("fp8sim.scaling.quantize_scaled", fmt, {**skw, **kw},
+    call = call_repr("fp8sim.scaling.quantize_scaled", fmt, {**skw, **kw},
                       f", {gran.spec!r}")
-    dtype = np.dtype(_as_dtype(np.zeros(0), dtype).dtype)
+    dtype = np.dtype(as_dtype(np.zeros(0), dtype).dtype)
     name = getattr(fn, "__name__", "fn")
 
     def check(x: np.ndarray, where: str, raise_: bool = True) -> bool:
         x = _sanitize(x, fmt, gran, saturate)
         exp = quantize_scaled(x, fmt, gran, **skw, **kw)
-        out = fn(_to_input(x, device))
+        out = fn(to_input(x, device))
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError(f"{name} must return (codes, scale_inv), got {type(out).__name__}")
         grid = np.shape(exp.scale_inv)
         got_s = _received_scale(out[1], fmt, gran, grid, name)
-        got_c = _received_codes(out[0], fmt, x.shape, name)
+        got_c = received_codes(out[0], fmt, x.shape, name)
         exp_s = np.asarray(exp.scale_inv, np.float32)
         bad_s = (exp_s.view(np.uint32) != got_s.view(np.uint32)) & ~(
             np.isnan(exp_s) & np.isnan(got_s))
-        bad_c = _bad_codes(exp.codes, got_c, fmt, exact_nan)
+        bad_c = bad_codes(exp.codes, got_c, fmt, exact_nan)
         if not (bad_s.any() or bad_c.any()):
             return False
         if not raise_:
@@ -213,7 +213,7 @@ def assert_scaled_bitexact(
             mult = np.broadcast_to(_per_element(mult, gran, m, n), (m, n))
             with np.errstate(all="ignore"):
                 prod = (np.asarray(x, np.float32).reshape(m, n) * mult).astype(np.float32)
-            parts.append(_code_rows(x, exp.codes, got_c, bad_c, fmt, max_report,
+            parts.append(code_rows(x, exp.codes, got_c, bad_c, fmt, max_report,
                                     prod.reshape(x.shape)))
         raise AssertionError(rep.with_msg("\n".join(parts), msg))
 
@@ -222,14 +222,14 @@ def assert_scaled_bitexact(
         cases = [("your inputs", np.asarray(a)) for a in (
             inputs if isinstance(inputs, (list, tuple)) else [inputs])] + cases
     for where, x in cases:
-        check(_as_dtype(np.asarray(x, np.float64), dtype), f"fixed case '{where}'")
+        check(as_dtype(np.asarray(x, np.float64), dtype), f"fixed case '{where}'")
     if max_examples > 0:
-        _check_hypothesis()
+        check_hypothesis()
         strategy = arrays(fmt, shape, dtype=dtype).map(
             lambda a: _sanitize(a, fmt, gran, saturate))
-        found = _find(strategy, lambda a: check(a, "", raise_=False), max_examples,
+        found = find_failing(strategy, lambda a: check(a, "", raise_=False), max_examples,
                       hypothesis_seed, name)
         if found is not None:
             check(found, f"an array drawn by hypothesis (shrunk; hypothesis_seed="
                          f"{hypothesis_seed})")
-            _not_deterministic(name)
+            not_deterministic(name)

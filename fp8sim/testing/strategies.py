@@ -38,7 +38,7 @@ __all__ = [
     "arrays",
 ]
 
-_HYPOTHESIS_HINT = (
+HYPOTHESIS_HINT = (
     "fp8sim.testing strategies need hypothesis, an optional dependency: "
     "pip install hypothesis (or pip install 'fp8sim[test]')"
 )
@@ -49,7 +49,7 @@ def _hypothesis() -> Any:
     try:
         from hypothesis import strategies as st
     except ImportError as exc:
-        raise ImportError(_HYPOTHESIS_HINT) from exc
+        raise ImportError(HYPOTHESIS_HINT) from exc
     return st
 
 
@@ -200,7 +200,7 @@ def values(fmt: FloatFormat | str) -> Any:
     return st.one_of(boundary_values(fmt), boundary_values(fmt), anywhere, in_range)
 
 
-def _as_dtype(x: np.ndarray, dtype: Any) -> np.ndarray:
+def as_dtype(x: np.ndarray, dtype: Any) -> np.ndarray:
     """float64 ``x`` rounded once to ``dtype`` (float16/32/64, or bfloat16 via ml_dtypes)."""
     if isinstance(dtype, str) and dtype == "bfloat16":
         import ml_dtypes  # the only numpy bfloat16
@@ -257,6 +257,6 @@ def arrays(
             where = draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k))
             for i in where:
                 x[i] = float(draw(element))
-        return _as_dtype(x, dtype).reshape(shp)
+        return as_dtype(x, dtype).reshape(shp)
 
     return _draw()

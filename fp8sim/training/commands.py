@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from fp8sim.commands._output import print_json
+from fp8sim.commands.output import print_json
 
 __all__ = ["register", "run_train", "run_compare"]
 

@@ -97,7 +97,7 @@ class LinearRecipe:
     skip: tuple[str, ...] = ("lm_head",)
 
     def casts(self) -> dict[str, CastConfig]:
-        """Role -> cast, for the roles this recipe casts (trace roles of DESIGN.md)."""
+        """Role -> cast, for the roles this recipe casts (the trace roles of docs/design.md)."""
         out = {"activation": self.input, "weight": self.weight, "grad_output": self.grad_output}
         if self.weight_grad is not None:
             out["weight_grad"] = self.weight_grad
