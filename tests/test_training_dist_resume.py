@@ -94,9 +94,10 @@ def test_two_rank_o3_resumes_bit_exactly(tmp_path):
 def test_one_rank_o2_resumes_bit_exactly(tmp_path):
     # Fp8AdamW state keeps its dtypes through load_state_dict (float16 masters, uint8 moments)
     _stop_resume_and_compare(tmp_path, "fp8lm-o2", 1, record=True)
-    from fp8sim.training.distributed import _RankRun
+    from fp8sim.training.distributed import DataParallel
+    from fp8sim.training.trainer import Trainer
 
-    run = _RankRun(0, 1, _cfg("fp8lm-o2"), str(tmp_path / "cut"), {"progress": False, "resume": True})
+    run = Trainer(_cfg("fp8lm-o2"), tmp_path / "cut", data_parallel=DataParallel(), resume=True)
     st = next(iter(run.optimizer.state.values()))
     assert (st["master"].dtype, st["exp_avg"].dtype, st["exp_avg_sq"].dtype) == (
         torch.float16, torch.uint8, torch.float16)
