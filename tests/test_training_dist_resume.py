@@ -12,14 +12,11 @@ import torch
 
 from fp8sim.training.dist_checkpoint import latest_checkpoint, load_rank_checkpoint
 from fp8sim.training.distributed import train_distributed
+from tests.conftest import tiny_train_config
 
 
 def _cfg(recipe: str, steps: int = 6):
-    from fp8sim.training.model import GPTConfig
-    from fp8sim.training.trainer import TrainConfig
-
-    return TrainConfig(recipe=recipe, steps=steps, batch_size=8, lr=1e-2, warmup=2, eval_every=0, eval_batches=1,
-                       checkpoint_every=2, max_bytes=2**20, model=GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
+    return tiny_train_config(recipe, steps=steps, checkpoint_every=2)
 
 
 def _rows(run) -> list[dict]:

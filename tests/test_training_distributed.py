@@ -14,6 +14,7 @@ import torch
 
 import fp8sim
 from fp8sim.training.distributed import CommCounter, Fp8GradReducer, memory_breakdown, ring_bytes
+from tests.conftest import tiny_train_config
 
 WORLD = 2
 E4M3 = fp8sim.get_format("e4m3")
@@ -30,12 +31,8 @@ def _grads(rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tiny_cfg(recipe: str, steps: int = 8, batch: int = 8):
-    from fp8sim.training.model import GPTConfig
-    from fp8sim.training.trainer import TrainConfig
-
-    return TrainConfig(recipe=recipe, steps=steps, batch_size=batch, lr=1e-2, warmup=2, eval_every=0, eval_batches=1,
-                       checkpoint_every=0, max_bytes=2**20, model=GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
+def _tiny_cfg(recipe: str, steps: int = 8):
+    return tiny_train_config(recipe, steps=steps)
 
 
 def _session(rank: int, world: int, tmp: str, init_file: str) -> None:
