@@ -7,25 +7,18 @@ import pytest
 import torch
 
 from fp8sim.training.checkpoint import load_checkpoint, save_checkpoint
-from fp8sim.training.data import load_corpus
 from fp8sim.training.model import GPTConfig
 from fp8sim.training.trainer import TrainConfig, Trainer, read_metrics
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 
 @pytest.fixture(scope="module")
-def corpus():
-    return load_corpus(max_bytes=200_000)
+def corpus(stdlib_corpus):
+    return stdlib_corpus
 
 
 def _cfg(recipe: str, **kw) -> TrainConfig:

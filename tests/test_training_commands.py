@@ -3,19 +3,12 @@
 import json
 
 import pytest
-import torch
 
 from fp8sim import cli
 from fp8sim.training.trainer import read_metrics
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
          "--steps", "4", "--warmup", "1", "--eval-every", "2", "--checkpoint-every", "2"]

@@ -12,14 +12,11 @@ import torch
 
 from fp8sim.training.dist_checkpoint import latest_checkpoint, load_rank_checkpoint
 from fp8sim.training.distributed import train_distributed
+from tests.conftest import tiny_train_config
 
 
 def _cfg(recipe: str, steps: int = 6):
-    from fp8sim.training.model import GPTConfig
-    from fp8sim.training.trainer import TrainConfig
-
-    return TrainConfig(recipe=recipe, steps=steps, batch_size=8, lr=1e-2, warmup=2, eval_every=0, eval_batches=1,
-                       checkpoint_every=2, max_bytes=2**20, model=GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
+    return tiny_train_config(recipe, steps=steps, checkpoint_every=2)
 
 
 def _rows(run) -> list[dict]:
@@ -94,9 +91,10 @@ def test_two_rank_o3_resumes_bit_exactly(tmp_path):
 def test_one_rank_o2_resumes_bit_exactly(tmp_path):
     # Fp8AdamW state keeps its dtypes through load_state_dict (float16 masters, uint8 moments)
     _stop_resume_and_compare(tmp_path, "fp8lm-o2", 1, record=True)
-    from fp8sim.training.distributed import _RankRun
+    from fp8sim.training.distributed import DataParallel
+    from fp8sim.training.trainer import Trainer
 
-    run = _RankRun(0, 1, _cfg("fp8lm-o2"), str(tmp_path / "cut"), {"progress": False, "resume": True})
+    run = Trainer(_cfg("fp8lm-o2"), tmp_path / "cut", data_parallel=DataParallel(), resume=True)
     st = next(iter(run.optimizer.state.values()))
     assert (st["master"].dtype, st["exp_avg"].dtype, st["exp_avg_sq"].dtype) == (
         torch.float16, torch.uint8, torch.float16)

@@ -14,6 +14,7 @@ import torch
 
 import fp8sim
 from fp8sim.training.distributed import CommCounter, Fp8GradReducer, memory_breakdown, ring_bytes
+from tests.conftest import tiny_train_config
 
 WORLD = 2
 E4M3 = fp8sim.get_format("e4m3")
@@ -30,24 +31,38 @@ def _grads(rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tiny_cfg(recipe: str, steps: int = 8, batch: int = 8):
-    from fp8sim.training.model import GPTConfig
-    from fp8sim.training.trainer import TrainConfig
-
-    return TrainConfig(recipe=recipe, steps=steps, batch_size=batch, lr=1e-2, warmup=2, eval_every=0, eval_batches=1,
-                       checkpoint_every=0, max_bytes=2**20, model=GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
+def _tiny_cfg(recipe: str, steps: int = 8):
+    return tiny_train_config(recipe, steps=steps)
 
 
 def _session(rank: int, world: int, tmp: str, init_file: str) -> None:
     """Everything that needs 2 ranks; results saved to tmp/rank{r}.pt for the parent's asserts."""
     import numba
-    import torch.distributed as dist
 
-    from fp8sim.training.distributed import _RankRun, init_process_group
+    from fp8sim.training.distributed import init_process_group, leave_process_group
+    from fp8sim.training.spawn import exit_rank
 
     torch.set_num_threads(1)
     numba.set_num_threads(1)
     init_process_group(rank, world, init_file)
+    try:
+        torch.save(_session_checks(rank, world, tmp), os.path.join(tmp, f"rank{rank}.pt"))
+    finally:
+        leave_process_group()
+    exit_rank()  # no interpreter shutdown with gloo's threads alive: see exit_rank
+
+
+def _rank_run(rank: int, world: int, cfg, out: str, **options):
+    """One rank's training loop, a fresh run in ``out``."""
+    from fp8sim.training.distributed import DataParallel
+    from fp8sim.training.trainer import Trainer
+
+    return Trainer(cfg, out, data_parallel=DataParallel(rank, world, **options), start="fresh")
+
+
+def _session_checks(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed as dist
+
     res: dict = {}
 
     # 1. the reducer on fixed gradients
@@ -93,53 +108,41 @@ def _session(rank: int, world: int, tmp: str, init_file: str) -> None:
 
     # 3. 2-rank vs 1-rank gradients over the same global batch (fp8lm-o1 model, step 1)
     # (mu starts at 1/2: headroom for the sum of 2 ranks from the first step)
-    cfg, opts = _tiny_cfg("fp8lm-o1"), {"progress": False, "grad_scaling": "autoscale:mu_init=0.5"}
-    two = _RankRun(rank, world, cfg, os.path.join(tmp, "grad2"), opts)
-    one = _RankRun(0, 1, cfg, os.path.join(tmp, f"grad1-{rank}"), opts) if rank == 0 else None
-    ref = _RankRun(0, 1, _tiny_cfg("fp32"), os.path.join(tmp, f"ref-{rank}"), opts) if rank == 0 else None
+    cfg, scaling = _tiny_cfg("fp8lm-o1"), "autoscale:mu_init=0.5"
+    two = _rank_run(rank, world, cfg, os.path.join(tmp, "grad2"), grad_scaling=scaling)
+    one = _rank_run(0, 1, cfg, os.path.join(tmp, f"grad1-{rank}"), grad_scaling=scaling) if rank == 0 else None
+    ref = _rank_run(0, 1, _tiny_cfg("fp32"), os.path.join(tmp, f"ref-{rank}")) if rank == 0 else None
     res["grads"] = {}
     for name, run in (("two", two), ("one", one), ("ref", ref)):
         if run is None:
             continue
-        from fp8sim.training.data import get_batch
-
-        x, y = get_batch(run.corpus, "train", 0, cfg.batch_size, cfg.model.block_size, cfg.seed)
-        b = cfg.batch_size // run.world
-        x, y = x[run.rank * b : (run.rank + 1) * b], y[run.rank * b : (run.rank + 1) * b]
-        if run.fp8 is not None:
-            run.fp8.step = 1
-        _, loss = run.ddp(x, y)
-        loss.backward()
-        if run.reduce_inline:
-            items = [(p, p.grad) for p in run.params if p.grad is not None]
-            for (p, _), g in zip(items, run.reducer.reduce(items)):
-                p.grad = g
+        run.forward_backward(1)  # this rank's rows of batch 1; gradients reduced over the ranks
         res["grads"][name] = {n: p.grad.clone() for n, p in run.model.named_parameters()}
         if name == "two":
-            res["grads"]["fp8_names"] = sorted(run.fp8_names)
-            res["grads"]["grad_fp8_names"] = sorted(run.grad_fp8_names)
+            res["grads"]["fp8_names"] = sorted(run.dp.fp8_names)
+            res["grads"]["grad_fp8_names"] = sorted(run.dp.grad_fp8_names)
 
     # 4. O1 / O2 / O3 train (the run loop of `fp8sim train --nproc 2`)
     for level in (1, 2, 3):
-        run = _RankRun(rank, world, _tiny_cfg(f"fp8lm-o{level}"), os.path.join(tmp, f"o{level}"), {"progress": False})
-        run.run()
+        run = _rank_run(rank, world, _tiny_cfg(f"fp8lm-o{level}"), os.path.join(tmp, f"o{level}"))
+        run.run(progress=False)
         if level == 3:
-            res["zero"] = {"owned": sorted(n for (n, _), o in zip(run.zero.params, run.zero.owner) if o == rank),
+            zero = run.dp.zero
+            res["zero"] = {"owned": sorted(n for (n, _), o in zip(zero.params, zero.owner) if o == rank),
                            "weights": {n: p.detach().clone() for n, p in run.model.named_parameters()},
-                           "codes": dict(run.zero.codes), "loads": run.zero.loads()}
+                           "codes": dict(zero.codes), "loads": zero.loads()}
     # 4b. the global gradient norm (for clipping) of O3, whose gradients live on their owners,
     # against O2's, whose every rank holds all of them: step 1, both gradient scopes
     res["norms"] = {}
     for scope in ("all", "linear"):
         for level in (2, 3):
-            run = _RankRun(rank, world, _tiny_cfg(f"fp8lm-o{level}", steps=1),
-                           os.path.join(tmp, f"norm-o{level}-{scope}"), {"progress": False, "fp8_grads": scope})
+            run = _rank_run(rank, world, _tiny_cfg(f"fp8lm-o{level}", steps=1),
+                            os.path.join(tmp, f"norm-o{level}-{scope}"), fp8_grads=scope)
             res["norms"][level, scope] = run.train_step(1)["grad_norm"]
     # 5. bf16 baseline over 2 ranks: its communication bytes
-    _RankRun(rank, world, _tiny_cfg("bf16", steps=2), os.path.join(tmp, "bf16"), {"progress": False}).run()
+    _rank_run(rank, world, _tiny_cfg("bf16", steps=2), os.path.join(tmp, "bf16")).run(progress=False)
     dist.barrier()
-    torch.save(res, os.path.join(tmp, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return res
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,7 @@ from fp8sim.training.fp8_linear import Fp8Linear
 from fp8sim.training.recipes import CastConfig, LinearRecipe
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 

@@ -8,13 +8,7 @@ from fp8sim.training.data import default_corpus_files, get_batch, load_corpus
 from fp8sim.training.model import GPT, GPTConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 

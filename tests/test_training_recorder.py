@@ -8,26 +8,19 @@ import torch.nn as nn
 
 from fp8sim.trace import TraceReader
 from fp8sim.training import record
-from fp8sim.training.data import load_corpus
 from fp8sim.training.model import GPTConfig
 from fp8sim.training.recorder import Recorder
 from fp8sim.training.trainer import TrainConfig, Trainer, read_metrics
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TINY = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)
 
 
 @pytest.fixture(scope="module")
-def corpus():
-    return load_corpus(max_bytes=200_000)
+def corpus(stdlib_corpus):
+    return stdlib_corpus
 
 
 def _train(out, trace, corpus, *, steps=6, stop_after=None, resume=False, recipe="te-delayed", backend="torch"):

@@ -4,26 +4,18 @@ histogram's bracket (other scales)."""
 
 import numpy as np
 import pytest
-import torch
 
 from fp8sim.analysis.replay import replay_policies
 from fp8sim.policies import parse_policy
 from fp8sim.trace import TraceReader
 from fp8sim.training import record
 from fp8sim.training import recipes as recipes_mod
-from fp8sim.training.data import load_corpus
 from fp8sim.training.model import GPTConfig
 from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe, register_recipe
 from fp8sim.training.trainer import TrainConfig, Trainer, read_metrics
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TINY = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)
 MSAMP = "msamp:window=4,margin=0"  # power-of-two scales: the histogram counts are exact
@@ -40,16 +32,16 @@ def pow2_recipe():
     recipes_mod._REGISTRY.pop("test-msamp")
 
 
-def _run(tmp_path, recipe, backend="emulator"):
+def _run(tmp_path, corpus, recipe, backend="emulator"):
     cfg = TrainConfig(recipe=recipe, backend=backend, steps=8, batch_size=4, warmup=2, eval_every=4,
                       eval_batches=1, checkpoint_every=4, model=TINY, lr=1e-2)
-    Trainer(cfg, tmp_path / "run", corpus=load_corpus(max_bytes=200_000),
+    Trainer(cfg, tmp_path / "run", corpus=corpus,
             recorder_factory=lambda m: record(m, tmp_path / "trace")).run(progress=False)
     return TraceReader(tmp_path / "trace"), read_metrics(tmp_path / "run")
 
 
-def test_replay_reproduces_live_counts_exactly_with_pow2_policy(tmp_path, pow2_recipe):
-    reader, metrics = _run(tmp_path, pow2_recipe)
+def test_replay_reproduces_live_counts_exactly_with_pow2_policy(tmp_path, stdlib_corpus, pow2_recipe):
+    reader, metrics = _run(tmp_path, stdlib_corpus, pow2_recipe)
     recorded, replay = replay_policies(reader, [MSAMP])
     assert recorded.policy == "recorded" and replay.policy == parse_policy(MSAMP).spec
     np.testing.assert_array_equal(replay.cols["scale"], recorded.cols["scale"])
@@ -68,8 +60,8 @@ def test_replay_reproduces_live_counts_exactly_with_pow2_policy(tmp_path, pow2_r
     assert sum(r["underflow"] for r in metrics) > 0  # the check is not vacuous
 
 
-def test_replay_of_te_delayed_brackets_live_counts(tmp_path):
-    reader, metrics = _run(tmp_path, "te-delayed", backend="torch")
+def test_replay_of_te_delayed_brackets_live_counts(tmp_path, stdlib_corpus):
+    reader, metrics = _run(tmp_path, stdlib_corpus, "te-delayed", backend="torch")
     recorded, replay = replay_policies(reader, ["delayed:history=16,margin=0,algo=max"])
     np.testing.assert_array_equal(replay.cols["scale"], recorded.cols["scale"])
     c, r = replay.cols, recorded.cols

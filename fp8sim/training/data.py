@@ -52,6 +52,15 @@ class ByteCorpus:
         crc = zlib.crc32(self.val.numpy().tobytes(), zlib.crc32(self.train.numpy().tobytes()))
         return f"{self.num_bytes}:{crc:08x}"
 
+    def check_block_size(self, block_size: int, splits: tuple[str, ...] = ("train", "val")) -> None:
+        """ValueError unless every split in ``splits`` holds more than ``block_size + 1`` bytes
+        (a batch needs ``block_size + 1`` consecutive bytes and a choice of where they start)."""
+        for split in splits:
+            data = self.train if split == "train" else self.val
+            if data.numel() <= block_size + 1:
+                raise ValueError(f"{split} split has {data.numel()} bytes, need more than block_size + 1 = "
+                                 f"{block_size + 1}")
+
 
 def default_corpus_files() -> list[Path]:
     """The standard library's ``.py`` files, sorted by path relative to the stdlib root."""
@@ -134,9 +143,8 @@ def get_batch(
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    corpus.check_block_size(block_size, (split,))
     data = corpus.train if split == "train" else corpus.val
-    if data.numel() <= block_size + 1:
-        raise ValueError(f"{split} split has {data.numel()} bytes, need more than block_size + 1 = {block_size + 1}")
     starts = torch.randint(0, data.numel() - block_size - 1, (batch_size,), generator=_generator(seed, index, split))
     offsets = starts[:, None] + torch.arange(block_size + 1)  # (B, T + 1)
     window = data[offsets].long()

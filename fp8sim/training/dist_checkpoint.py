@@ -12,7 +12,7 @@ older step directories. A kill at any moment therefore leaves ``LATEST`` naming 
 Files are read back with ``torch.load(weights_only=True)`` (untrusted input); numpy arrays in
 policy states are stored as tensors (see :mod:`fp8sim.training.checkpoint`).
 
-What a rank file holds (see :meth:`fp8sim.training.distributed._RankRun.checkpoint_payload`): the
+What a rank file holds (see :meth:`fp8sim.training.trainer.Trainer.save`): the
 step, world size, run config and options; the rank's RNG states; its FP8 linears' scaling-policy
 states (each rank's casts observe their own activations, so these differ between ranks); the
 gradient reducer's AutoScale state; the optimizer (rank 0 only for replicated optimizers, every

@@ -1,11 +1,14 @@
-"""FP8-LM on torch.distributed: process groups, the data-parallel run and memory accounting.
+"""Data parallelism on torch.distributed: process groups, the data-parallel side of the training
+loop, the launcher, and memory accounting.
 
 Process groups: gloo on CPU, nccl on CUDA; started by ``torchrun`` (``env://``) or spawned by
-:func:`train_distributed` through ``torch.multiprocessing`` (a ``file://`` store in a temporary
-directory: no ports). :func:`train_distributed` runs every recipe -- ``bf16``, the TE recipes and
+:func:`train_distributed` through :mod:`fp8sim.training.spawn` (a ``file://`` store in a temporary
+directory: no ports). Every rank runs the one training loop,
+:class:`~fp8sim.training.trainer.Trainer`, with a :class:`DataParallel` that does the gradient
+communication: :func:`train_distributed` trains every recipe -- ``bf16``, the TE recipes and
 FP8-LM's O1/O2/O3 -- data-parallel over N ranks (one rank: the same code without collectives).
 The FP8 gradient all-reduce itself (a DDP communication hook) and its byte accounting live in
-:mod:`fp8sim.training.fp8_allreduce`.
+:mod:`fp8sim.training.fp8_allreduce`, ZeRO's sharding in :mod:`fp8sim.training.zero`.
 """
 
 from __future__ import annotations
@@ -31,11 +34,15 @@ __all__ = [
     "ring_bytes",
     "CommCounter",
     "Fp8GradReducer",
+    "DataParallel",
     "init_process_group",
+    "leave_process_group",
     "torchrun_env",
     "memory_breakdown",
+    "run_rank",
     "train_distributed",
 ]
+
 
 def torchrun_env() -> tuple[int, int] | None:
     """``(rank, world_size)`` when started by torchrun (RANK and WORLD_SIZE set), else None."""
@@ -60,6 +67,16 @@ def init_process_group(rank: int, world: int, init_file: str | None = None) -> s
     method = "env://" if init_file is None else f"file://{init_file}"
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=world)
     return backend
+
+
+def leave_process_group() -> None:
+    """Destroy the default process group (if joined). gloo's worker threads may outlive it (a
+    DDP module keeps the group): a spawned rank then ends without interpreter shutdown, see
+    :func:`fp8sim.training.spawn.exit_rank`."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # -- memory accounting --------------------------------------------------------------------------
@@ -120,7 +137,221 @@ def memory_breakdown(
     return out
 
 
-# -- the data-parallel run ----------------------------------------------------------------------
+# -- the data-parallel side of the training loop -------------------------------------------------
+
+
+class DataParallel:
+    """What makes :class:`~fp8sim.training.trainer.Trainer` one rank of a data-parallel run.
+
+    ``rank`` of ``world`` (the default process group is joined beforehand when ``world > 1``).
+    :meth:`attach` sets up the gradient communication for a recipe -- DDP whose communication
+    hook is the :class:`Fp8GradReducer` (FP8-LM's FP8 all-reduce for the fp8lm recipes, a
+    bf16/fp32 all-reduce for the rest), FP8-LM's Adam (O2) or ZeRO-sharded FP8 weights (O3) --
+    and the loop calls the rest: its rows of a batch, the reduced gradients, clipping and the
+    FP8 optimizer step, the metrics over ranks, the per-rank checkpoint files, the summary's
+    communication figures. One rank (``world == 1``) runs the same code without collectives.
+
+    ``grad_scaling``: ``autoscale`` (default, the recipe's) or ``msamp`` for the FP8 all-reduce;
+    ``fp8_grads``: ``all`` or ``linear`` (default: the recipe's), which gradients travel in FP8.
+    """
+
+    def __init__(self, rank: int = 0, world: int = 1, *, grad_scaling: str | None = None,
+                 fp8_grads: str | None = None) -> None:  # fmt: skip
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} of world {world}: need 0 <= rank < world")
+        if grad_scaling is not None and grad_scaling.split(":")[0] not in GRAD_SCALINGS:
+            raise ValueError(f"gradient scaling must be one of {GRAD_SCALINGS}, got {grad_scaling!r}")
+        if fp8_grads is not None and fp8_grads not in FP8_GRAD_SCOPES:
+            raise ValueError(f"fp8_grads must be one of {FP8_GRAD_SCOPES}, got {fp8_grads!r}")
+        self.rank, self.world = rank, world
+        self._grad_scaling, self._fp8_grads = grad_scaling, fp8_grads
+
+    def attach(self, model: torch.nn.Module, recipe: Any, cfg: Any, hp: dict) -> tuple[torch.nn.Module, Any]:
+        """Set up the gradient communication and the optimizer (hyperparameters ``hp``) for
+        ``model`` under ``recipe``; returns the module the forward goes through (DDP when
+        ``world > 1``) and the optimizer."""
+        from fp8sim.training.fp8_linear import fp8_linears
+        from fp8sim.training.optim import Fp8AdamW
+        from fp8sim.training.zero import ZeroFp8Weights
+
+        rank, world = self.rank, self.world
+        self.model = model
+        self.named = named = list(model.named_parameters())
+        extra = dict(recipe.extra)
+        fp8_comm = recipe.grad_comm == "fp8"
+        # fp8_names: the FP8 linears' weights (E4M3-stored under O3, the accounting's "fp8_weights");
+        # grad_fp8_names: the parameters whose gradients travel (and are kept) in FP8
+        self.fp8_names = {f"{m.name}.weight" for m in fp8_linears(model)} if fp8_comm else set()
+        self.grad_scope = self._fp8_grads or extra.get("fp8_grads", "linear")
+        self.grad_fp8_names = {n for n, _ in named} if fp8_comm and self.grad_scope == "all" else self.fp8_names
+        other = torch.bfloat16 if (fp8_comm or recipe.grad_comm == "bf16" or recipe.autocast == "bfloat16") else torch.float32
+        self.grad_scaling = self._grad_scaling or extra.get("grad_scaling", "autoscale")
+        self.counter = CommCounter(world)
+        self.reducer = Fp8GradReducer(named, self.grad_fp8_names, world=world, scaling=self.grad_scaling,
+                                      other_dtype=other, backend=cfg.backend, counter=self.counter)
+        self.reduce_inline = world == 1 and fp8_comm  # one rank: FP8 gradients all the same, no collectives
+        module: torch.nn.Module = model
+        if world > 1:
+            module = torch.nn.parallel.DistributedDataParallel(model)
+            module.register_comm_hook(None, self.reducer.hook)
+        params = [p for _, p in named]
+        self.zero = None
+        self.fp8_optimizer = recipe.optimizer != "adamw"  # FP8-LM Adam: gradients from the reducer's stash
+        if not self.fp8_optimizer:
+            optimizer: Any = torch.optim.AdamW(params, **hp, foreach=False)
+        elif recipe.weight_storage == "fp8":
+            self.zero = ZeroFp8Weights(named, self.fp8_names, rank=rank, world=world, count_bytes=self.counter.add,
+                                       optimizer_kwargs={**hp, "backend": cfg.backend, "grad_source": self.reducer.grad_for})
+            optimizer = self.zero.optimizer
+            if world > 1:  # each FP8 gradient is reduced onto its owner only (reduce-scatter, no all-gather)
+                self.reducer.owners = {n: o for (n, _), o in zip(self.zero.params, self.zero.owner)}
+        else:
+            optimizer = Fp8AdamW(params, **hp, backend=cfg.backend, grad_source=self.reducer.grad_for)
+        self.optimizer = optimizer
+        self.counter.pop()  # the initial weight gather is set-up, not a training step
+        return module, optimizer
+
+    def options(self) -> dict:
+        """The options that change a run's numbers besides its config (checked on resume)."""
+        return {"grad_scaling": self.grad_scaling, "fp8_grads": self.grad_scope}
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    # -- a step ---------------------------------------------------------------------------------
+    def local_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows ``[r B/N, (r+1) B/N)`` of a global batch ``t`` (B, ...)."""
+        b = t.shape[0] // self.world
+        return t[self.rank * b : (self.rank + 1) * b]
+
+    def begin_step(self) -> None:
+        self.reducer.stash.clear()
+
+    def end_backward(self, params: list[torch.Tensor]) -> None:
+        """After the backward: one rank reduces its FP8 gradients here (no DDP, no collectives)."""
+        if self.reduce_inline:
+            items = [(p, p.grad) for p in params if p.grad is not None]
+            for (p, _), g in zip(items, self.reducer.reduce(items)):
+                p.grad = g
+
+    def clip_and_step(self, max_norm: float) -> float:
+        """FP8-LM Adam's step: clipping goes into the gradients' scale_inv (the gradients live in
+        the reducer's stash); returns the global gradient norm before clipping."""
+        import torch.distributed as dist
+
+        if self.reducer.owners is None:
+            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for _, p in self.named if p.grad is not None]))
+        else:  # ZeRO: each rank adds the squares of the gradients it owns (FP8 ones exist only there)
+            mine = [p.grad for n, p in self.named if p.grad is not None and self.reducer.owners[n] == self.rank]
+            grad_norm = float(torch.nn.utils.get_total_norm(mine)) if mine else 0.0
+            sq = torch.tensor([grad_norm * grad_norm], dtype=torch.float64)
+            dist.all_reduce(sq)
+            self.counter.add("scales", "all_reduce", 8)
+            grad_norm = float(sq.sqrt())
+        coef = min(1.0, max_norm / (grad_norm + 1e-6))
+        for _, p in self.named:
+            p.grad = None
+        (self.zero or self.optimizer).step(grad_scale=coef)
+        return grad_norm
+
+    def step_metrics(self, loss: float, events: dict) -> tuple[float, dict]:
+        """The step's mean loss over the ranks and its metrics: FP8 cast ``events`` summed over
+        the ranks, ``comm_bytes`` (mean bytes a rank sent, per category, plus what BF16 would send
+        for the FP8 payloads) and ``allreduce`` (FP8 sums that saturated, inputs that underflowed,
+        AutoScale's mu range). A collective (not counted in the bytes)."""
+        import torch.distributed as dist
+
+        comm, ar = self.counter.pop(), self.reducer.pop_stats()
+        keys = list(comm)
+        vec = torch.tensor([loss, events.get("overflow", 0), events.get("underflow", 0), ar["overflow"],
+                            ar["underflow"], ar["nonzero"], *comm.values()], dtype=torch.float64)  # fmt: skip
+        if self.world > 1:
+            dist.all_reduce(vec)
+        row: dict = {}
+        if events:
+            row.update(overflow=int(vec[1]), underflow=int(vec[2]))
+        row["comm_bytes"] = {k: float(v) / self.world for k, v in zip(keys, vec[6:].tolist())}
+        if self.grad_fp8_names:
+            mu = self.reducer.mu_range()
+            row["allreduce"] = {"overflow": int(vec[3]), "underflow": int(vec[4]), "nonzero": int(vec[5]),
+                                "mu_min": mu and mu[0], "mu_max": mu and mu[1]}
+        return float(vec[0]) / self.world, row
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, out: os.PathLike, step: int, payload: dict) -> None:
+        """Write this rank's part of the checkpoint after ``step`` (a collective; see
+        :mod:`fp8sim.training.dist_checkpoint`): ``payload`` plus the options and the reducer's
+        AutoScale state; the model only on rank 0 (identical on every rank), the optimizer on
+        rank 0 or, under ZeRO, every rank its shard."""
+        from fp8sim.training.dist_checkpoint import save_rank_checkpoint
+
+        payload = {**payload, "options": self.options(), "reducer": self.reducer.state_dict()}
+        if self.rank != 0:
+            payload["model"] = None
+            if self.zero is None:
+                payload["optimizer"] = None
+        save_rank_checkpoint(out, step=step, rank=self.rank, world=self.world, payload=payload,
+                             barrier=self.barrier if self.world > 1 else None)
+
+    def load_checkpoint(self, out: os.PathLike) -> tuple[dict, dict]:
+        """This rank's payload of the last complete checkpoint in ``out``, and rank 0's."""
+        from fp8sim.training.dist_checkpoint import latest_checkpoint, load_rank_checkpoint
+
+        info = latest_checkpoint(out)
+        if info is None:
+            raise ValueError(f"--resume: {out} holds no data-parallel checkpoint")
+        ck = load_rank_checkpoint(out, self.rank, step=info["step"])
+        first = ck if self.rank == 0 else load_rank_checkpoint(out, 0, step=info["step"])
+        if ck["world"] != self.world:
+            raise ValueError(f"--resume: {out} was checkpointed by {ck['world']} ranks, not {self.world}")
+        if ck["options"] != self.options():
+            raise ValueError(f"--resume: {out} was trained with {ck['options']}, not {self.options()}")
+        return ck, first
+
+    def load_state_dict(self, ck: dict, first: dict, optimizer: Any) -> None:
+        """Restore the optimizer (rank 0's, or this rank's ZeRO shard, whose E4M3 weights are then
+        gathered again as after the last step) and the reducer's AutoScale state."""
+        if self.zero is not None:
+            self.zero.optimizer.load_state_dict(ck["optimizer"])
+            self.zero.gather()  # the E4M3 codes of the owners' masters, as after the last step
+            self.counter.pop()
+        else:
+            optimizer.load_state_dict(first["optimizer"])
+        self.reducer.load_state_dict(ck["reducer"])
+
+    # -- the summary ------------------------------------------------------------------------------
+    def memory(self) -> list[dict]:
+        """Every rank's :func:`memory_breakdown` (a collective)."""
+        import torch.distributed as dist
+
+        mine = memory_breakdown(self.model, None if self.zero else self.optimizer, reducer=self.reducer,
+                                zero=self.zero, fp8_names=self.fp8_names)
+        if self.world == 1:
+            return [mine]
+        mems: list = [None] * self.world
+        dist.all_gather_object(mems, mine)
+        return mems
+
+    def summary(self, rows: list[dict]) -> dict:
+        """The run summary's data-parallel part, from the metrics ``rows``."""
+        out: dict = {"options": self.options(), "nproc": self.world}
+        if rows:
+            comm = {k: sum(r["comm_bytes"][k] for r in rows) / len(rows) for k in rows[0]["comm_bytes"]}
+            if comm["wgrad_bf16_equiv"]:
+                comm["wgrad_fp8_vs_bf16"] = (comm["wgrad_fp8"] + comm["scales"]) / comm["wgrad_bf16_equiv"]
+            out["comm_bytes_per_step"] = comm
+            if self.grad_fp8_names:
+                ar = {k: sum(r["allreduce"][k] for r in rows) for k in ("overflow", "underflow", "nonzero")}
+                out["allreduce"] = {**ar, "mu_final": (rows[-1]["allreduce"]["mu_min"], rows[-1]["allreduce"]["mu_max"])}
+        if self.zero is not None:
+            out["zero_loads"] = self.zero.loads()
+        return out
+
+
+# -- the launcher -------------------------------------------------------------------------------
 
 
 def train_distributed(
@@ -141,23 +372,22 @@ def train_distributed(
 
     Rank ``r`` takes rows ``[r B/N, (r+1) B/N)`` of the global batch ``B = cfg.batch_size`` (the
     same batches as a one-process run). Started under torchrun, the ranks come from the
-    environment and ``nproc`` is ignored. ``grad_scaling``: ``autoscale`` (default, the recipe's)
-    or ``msamp`` for the FP8 all-reduce; ``fp8_grads``: ``all`` or ``linear`` (default: the
-    recipe's), which gradients travel in FP8. ``record``: a trace per rank in ``record/rank{r}``
-    (local weight gradients before the all-reduce).
+    environment and ``nproc`` is ignored; else ``nproc > 1`` ranks are spawned (:mod:`fp8sim.
+    training.spawn`). ``grad_scaling``, ``fp8_grads``: see :class:`DataParallel`. ``record``: a
+    trace per rank in ``record/rank{r}`` (local weight gradients before the all-reduce).
 
     Checkpoints (:mod:`fp8sim.training.dist_checkpoint`: one file per rank, committed together)
     after every ``cfg.checkpoint_every`` steps and the last; ``resume=True`` continues the run in
     ``out_dir`` from its last complete checkpoint (same config, options and number of ranks),
     reproducing the uninterrupted run's losses bit for bit on CPU. ``stop_after``: stop after
     that step as if killed (no summary), for tests. ``metrics.jsonl`` rows carry, besides the
-    single-process keys, ``comm_bytes`` (mean bytes a rank sent that step, per category,
-    plus what BF16 would send for the FP8 payloads) and ``allreduce`` (FP8 sums that saturated,
-    inputs that underflowed, AutoScale's mu range).
+    single-process keys, ``comm_bytes`` and ``allreduce`` (see :meth:`DataParallel.step_metrics`).
     """
+    import json
     from pathlib import Path
 
     from fp8sim.training.recipes import get_recipe
+    from fp8sim.training.trainer import start_mode
 
     env = torchrun_env()
     world = env[1] if env else nproc
@@ -165,68 +395,42 @@ def train_distributed(
         raise ValueError(f"--nproc must be >= 1, got {nproc!r}")
     if cfg.batch_size % world:
         raise ValueError(f"batch size {cfg.batch_size} is not divisible by {world} ranks")
-    if grad_scaling is not None and grad_scaling.split(":")[0] not in GRAD_SCALINGS:
-        raise ValueError(f"gradient scaling must be one of {GRAD_SCALINGS}, got {grad_scaling!r}")
-    if fp8_grads is not None and fp8_grads not in FP8_GRAD_SCOPES:
-        raise ValueError(f"fp8_grads must be one of {FP8_GRAD_SCOPES}, got {fp8_grads!r}")
+    DataParallel(0, world, grad_scaling=grad_scaling, fp8_grads=fp8_grads)  # checks the options
     if (grad_scaling or fp8_grads) and get_recipe(cfg.recipe).grad_comm != "fp8":
         raise ValueError(f"--grad-scaling/--fp8-grads apply to the FP8 all-reduce of the fp8lm recipes, "
                          f"not to {cfg.recipe!r}")
     out = Path(out_dir)
-    from fp8sim.training.trainer import start_mode
-
-    mode = start_mode(out, resume, data_parallel=True, config=cfg.to_dict())
-    restart, resume = mode == "restart", mode == "resume"
-    if resume:
+    start = start_mode(out, resume, data_parallel=True, config=cfg.to_dict())
+    if start == "resume":
         from fp8sim.training.dist_checkpoint import latest_checkpoint
 
         info = latest_checkpoint(out)
         if info["world"] != world:
             raise ValueError(f"--resume: {out} was checkpointed by {info['world']} ranks, not {world}")
-    if not resume:  # a run here from now on (before any rank starts a trace): see Trainer
-        import json
-
+    else:  # a run here from now on (before any rank starts a trace): see Trainer
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    opts = {"restart": restart, "grad_scaling": grad_scaling, "fp8_grads": fp8_grads, "record": None if record is None else str(record),
-            "save_every": int(save_every), "progress": progress, "resume": bool(resume), "stop_after": stop_after}
+    opts = {"start": start, "grad_scaling": grad_scaling, "fp8_grads": fp8_grads,
+            "record": None if record is None else str(record), "save_every": int(save_every), "progress": progress,
+            "stop_after": stop_after}  # fmt: skip
     if env:
-        _run_rank(env[0], world, cfg.to_dict(), str(out), None, opts)
+        run_rank(env[0], world, cfg.to_dict(), str(out), None, opts)
     elif world == 1:
-        _run_rank(0, 1, cfg.to_dict(), str(out), None, opts)
+        run_rank(0, 1, cfg.to_dict(), str(out), None, opts)
     else:
-        import tempfile
+        from fp8sim.training.spawn import spawn_ranks
 
-        import torch.multiprocessing as mp
-
-        from fp8sim.training.spawn import rank_error, spawned_rank
-
-        import logging
-
-        spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process ..."
-        level = spawn_log.level
-        spawn_log.setLevel(logging.ERROR)
-        try:
-            with tempfile.TemporaryDirectory(prefix="fp8sim-pg-") as d:
-                mp.spawn(spawned_rank, args=(os.getpid(), world, cfg.to_dict(), str(out), os.path.join(d, "store"),
-                                              opts), nprocs=world, join=True)  # fmt: skip
-        except mp.ProcessRaisedException as exc:
-            if os.environ.get("FP8SIM_DEBUG") == "1":
-                raise  # the rank's traceback
-            raise rank_error(exc) from None
-        finally:
-            spawn_log.setLevel(level)
-    import json
-
+        spawn_ranks(world, cfg.to_dict(), str(out), opts)
     return json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
 
 
-def _run_rank(rank: int, world: int, cfg_dict: dict, out: str, init_file: str | None, opts: dict) -> None:
-    import torch.distributed as dist
-
-    from fp8sim.training.trainer import TrainConfig
-
+def run_rank(rank: int, world: int, cfg_dict: dict, out: str, init_file: str | None, opts: dict) -> None:
+    """Rank ``rank`` of ``world``: join the process group (``world > 1``; ``init_file``: a
+    ``file://`` store, None: ``env://``), train, leave the group. ``opts``: the launcher's
+    ``start`` (see :func:`~fp8sim.training.trainer.start_mode`) and :func:`train_distributed`'s
+    options."""
     import numba
+    import torch.distributed as dist
 
     threads = max(1, (os.cpu_count() or 1) // world)
     torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
@@ -237,326 +441,32 @@ def _run_rank(rank: int, world: int, cfg_dict: dict, out: str, init_file: str | 
     if world > 1:
         init_process_group(rank, world, init_file)
     try:
-        _RankRun(rank, world, TrainConfig.from_dict(cfg_dict), out, opts).run()
+        _train_rank(rank, world, cfg_dict, out, opts)
         if world > 1:
             dist.barrier()  # run.json is written before any rank returns
     finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        if world > 1:
+            leave_process_group()
         torch.set_num_threads(torch_threads)
         numba.set_num_threads(numba_threads)
 
 
-class _RankRun:
-    """One rank of a data-parallel run (see :func:`train_distributed`)."""
+def _train_rank(rank: int, world: int, cfg_dict: dict, out: str, opts: dict) -> None:
+    """The rank's training run."""
+    from pathlib import Path
 
-    def __init__(self, rank: int, world: int, cfg: Any, out: str, opts: dict) -> None:
-        from pathlib import Path
+    from fp8sim.training.trainer import Trainer, TrainConfig
 
-        from fp8sim.training.data import load_corpus
-        from fp8sim.training.fp8_linear import convert_to_fp8, fp8_linears, get_fp8_state
-        from fp8sim.training.model import GPT
-        from fp8sim.training.optim import Fp8AdamW
-        from fp8sim.training.recipes import get_recipe
-        from fp8sim.training.zero import ZeroFp8Weights
+    cfg = TrainConfig.from_dict(cfg_dict)
+    recorder_factory = None
+    if opts.get("record"):
+        from fp8sim.training.recorder import record
 
-        self.rank, self.world, self.cfg, self.opts = rank, world, cfg, opts
-        self.out = Path(out)
-        self.recipe = r = get_recipe(cfg.recipe)
-        self.corpus = load_corpus(cfg.data, max_bytes=cfg.max_bytes)
-        torch.manual_seed(cfg.seed)
-        self.model = GPT(cfg.model)
-        if r.is_fp8:
-            convert_to_fp8(self.model, r, cfg.backend, gemm_accumulate=cfg.gemm_accumulate)
-        self.fp8 = get_fp8_state(self.model)
-        self.named = named = list(self.model.named_parameters())
-        self.params = [p for _, p in named]
-        fp8_comm = r.grad_comm == "fp8"
-        # fp8_names: the FP8 linears' weights (E4M3-stored under O3, the accounting's "fp8_weights");
-        # grad_fp8_names: the parameters whose gradients travel (and are kept) in FP8
-        self.fp8_names = {f"{m.name}.weight" for m in fp8_linears(self.model)} if fp8_comm else set()
-        self.grad_scope = opts.get("fp8_grads") or dict(r.extra).get("fp8_grads", "linear")
-        self.grad_fp8_names = ({n for n, _ in named} if fp8_comm and self.grad_scope == "all" else self.fp8_names)
-        other = torch.bfloat16 if (fp8_comm or r.grad_comm == "bf16" or r.autocast == "bfloat16") else torch.float32
-        self.grad_scaling = scaling = opts.get("grad_scaling") or dict(r.extra).get("grad_scaling", "autoscale")
-        self.counter = CommCounter(world)
-        self.reducer = Fp8GradReducer(named, self.grad_fp8_names, world=world, scaling=scaling, other_dtype=other,
-                                      backend=cfg.backend, counter=self.counter)
-        self.reduce_inline = world == 1 and fp8_comm  # one rank: FP8 gradients all the same, no collectives
-        self.ddp: torch.nn.Module = self.model
-        if world > 1:
-            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
-            self.ddp.register_comm_hook(None, self.reducer.hook)
-        hp = {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
-        self.zero = None
-        if r.optimizer == "adamw":
-            self.optimizer: Any = torch.optim.AdamW(self.params, **hp, foreach=False)
-        elif r.weight_storage == "fp8":
-            self.zero = ZeroFp8Weights(named, self.fp8_names, rank=rank, world=world, count_bytes=self.counter.add,
-                                       optimizer_kwargs={**hp, "backend": cfg.backend, "grad_source": self.reducer.grad_for})
-            self.optimizer = self.zero.optimizer
-            if world > 1:  # each FP8 gradient is reduced onto its owner only (reduce-scatter, no all-gather)
-                self.reducer.owners = {n: o for (n, _), o in zip(self.zero.params, self.zero.owner)}
-        else:
-            self.optimizer = Fp8AdamW(self.params, **hp, backend=cfg.backend, grad_source=self.reducer.grad_for)
-        self.counter.pop()  # the initial weight gather is set-up, not a training step
-        self.start_step = 0
-        ck = self._resume() if opts.get("resume") else None
-        self.recorder = None
-        if opts.get("record"):
-            from fp8sim.training.recorder import record
+        def recorder_factory(model: torch.nn.Module):
+            return record(model, Path(opts["record"]) / f"rank{rank}", save_every=opts["save_every"],
+                          chunk_steps=max(1, cfg.checkpoint_every), append=opts["start"] != "fresh",
+                          config={"run": cfg.to_dict(), "rank": rank, "world": world, "run_dir": out})  # fmt: skip
 
-            self.recorder = record(self.model, Path(opts["record"]) / f"rank{rank}", save_every=opts["save_every"],
-                                   chunk_steps=max(1, cfg.checkpoint_every),
-                                   append=ck is not None or bool(opts.get("restart")),
-                                   config={"run": cfg.to_dict(), "rank": rank, "world": world, "run_dir": out})
-            if ck is not None or opts.get("restart"):
-                self.recorder.truncate_after(self.start_step)  # the steps after it are recorded again
-                if ck is not None and ck.get("recorder"):
-                    self.recorder.load_state_dict(ck["recorder"])
-        if rank == 0 and ck is None:
-            import json
-
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            (self.out / "metrics.jsonl").write_text("")
-
-    # -- checkpoints ------------------------------------------------------------------------------
-    def _run_options(self) -> dict:
-        """The options that change a run's numbers besides its config (checked on resume)."""
-        return {"grad_scaling": self.grad_scaling, "fp8_grads": self.grad_scope}
-
-    def checkpoint_payload(self) -> dict:
-        """This rank's part of a checkpoint (see :mod:`fp8sim.training.dist_checkpoint`)."""
-        from fp8sim.training.checkpoint import capture_rng
-
-        sharded = self.zero is not None
-        return {
-            "config": self.cfg.to_dict(), "options": self._run_options(), "rng": capture_rng(),
-            "policies": self.fp8.state_dict() if self.fp8 is not None else None,
-            "reducer": self.reducer.state_dict(),
-            "optimizer": self.optimizer.state_dict() if (sharded or self.rank == 0) else None,
-            "model": self.model.state_dict() if self.rank == 0 else None,
-            "recorder": self.recorder.state_dict() if self.recorder is not None else None,
-            "corpus": self.corpus.fingerprint,
-        }
-
-    def save(self, step: int) -> None:
-        """Checkpoint after ``step`` (collective: every rank calls it). The trace is flushed first,
-        so a checkpoint never points past the steps the trace holds."""
-        import torch.distributed as dist
-
-        from fp8sim.training.dist_checkpoint import save_rank_checkpoint
-
-        if self.recorder is not None:
-            self.recorder.flush()
-        save_rank_checkpoint(self.out, step=step, rank=self.rank, world=self.world, payload=self.checkpoint_payload(),
-                             barrier=dist.barrier if self.world > 1 else None)
-
-    def _resume(self) -> dict:
-        """Restore the last complete checkpoint; returns this rank's payload."""
-        from fp8sim.training.checkpoint import restore_rng
-        from fp8sim.training.dist_checkpoint import load_rank_checkpoint, latest_checkpoint
-        from fp8sim.training.trainer import _check_corpus, read_metrics
-
-        info = latest_checkpoint(self.out)
-        if info is None:
-            raise ValueError(f"--resume: {self.out} holds no data-parallel checkpoint")
-        ck = load_rank_checkpoint(self.out, self.rank, step=info["step"])
-        first = ck if self.rank == 0 else load_rank_checkpoint(self.out, 0, step=info["step"])
-        if ck["world"] != self.world:
-            raise ValueError(f"--resume: {self.out} was checkpointed by {ck['world']} ranks, not {self.world}")
-        if ck["config"] != self.cfg.to_dict():
-            diff = sorted(k for k, v in self.cfg.to_dict().items() if ck["config"].get(k) != v)
-            raise ValueError(f"--resume: {self.out} was written by a different config (differs in {diff})")
-        _check_corpus(self.out, ck, self.corpus)
-        if ck["options"] != self._run_options():
-            raise ValueError(f"--resume: {self.out} was trained with {ck['options']}, not {self._run_options()}")
-        with torch.no_grad():
-            self.model.load_state_dict(first["model"])
-        if self.zero is not None:
-            self.zero.optimizer.load_state_dict(ck["optimizer"])
-            self.zero.gather()  # the E4M3 codes of the owners' masters, as after the last step
-            self.counter.pop()
-        else:
-            self.optimizer.load_state_dict(first["optimizer"])
-        if self.fp8 is not None:
-            self.fp8.load_state_dict(ck["policies"])
-        self.reducer.load_state_dict(ck["reducer"])
-        restore_rng(ck["rng"])
-        self.start_step = int(ck["step"])
-        if self.rank == 0:  # the steps after the checkpoint are run (and logged) again
-            from fp8sim.training.trainer import write_metrics
-
-            write_metrics(self.out, [r for r in read_metrics(self.out) if r["step"] <= self.start_step])
-        return ck
-
-    def _autocast(self):
-        import contextlib
-
-        if self.recipe.autocast == "bfloat16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def train_step(self, step: int) -> dict:
-        import time
-
-        import torch.distributed as dist
-
-        from fp8sim.training.data import get_batch
-
-        cfg, world = self.cfg, self.world
-        t0 = time.perf_counter()
-        x, y = get_batch(self.corpus, "train", step - 1, cfg.batch_size, cfg.model.block_size, cfg.seed)
-        b = cfg.batch_size // world
-        x, y = x[self.rank * b : (self.rank + 1) * b], y[self.rank * b : (self.rank + 1) * b]
-        lr = cfg.lr_at(step)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        if self.fp8 is not None:
-            self.fp8.step = step
-        if self.recorder is not None:
-            self.recorder.begin_step(step)
-        self.model.train()
-        for p in self.params:
-            p.grad = None
-        self.reducer.stash.clear()
-        with self._autocast():
-            _, loss = self.ddp(x, y)
-        loss.backward()
-        if self.reduce_inline:
-            items = [(p, p.grad) for p in self.params if p.grad is not None]
-            for (p, _), g in zip(items, self.reducer.reduce(items)):
-                p.grad = g
-        if self.recorder is not None:
-            self.recorder.end_step(step)
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        if isinstance(self.optimizer, torch.optim.AdamW):
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-            self.optimizer.step()
-        else:  # FP8-LM Adam: clipping goes into the gradients' scale_inv; the grads live in the stash
-            if self.reducer.owners is None:
-                grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None]))
-            else:  # ZeRO: each rank adds the squares of the gradients it owns (FP8 ones exist only there)
-                mine = [p.grad for n, p in self.named if p.grad is not None and self.reducer.owners[n] == self.rank]
-                grad_norm = float(torch.nn.utils.get_total_norm(mine)) if mine else 0.0
-                sq = torch.tensor([grad_norm * grad_norm], dtype=torch.float64)
-                dist.all_reduce(sq)
-                self.counter.add("scales", "all_reduce", 8)
-                grad_norm = float(sq.sqrt())
-            coef = min(1.0, max_norm / (grad_norm + 1e-6))
-            for p in self.params:
-                p.grad = None
-            (self.zero or self.optimizer).step(grad_scale=coef)
-        events = self.fp8.pop_events() if self.fp8 is not None else {}
-        comm, ar = self.counter.pop(), self.reducer.pop_stats()
-        keys = list(comm)
-        vec = torch.tensor([float(loss.detach()), events.get("overflow", 0), events.get("underflow", 0),
-                            ar["overflow"], ar["underflow"], ar["nonzero"], *comm.values()], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(vec)  # logging only (not counted)
-        dt = time.perf_counter() - t0
-        row = {"step": step, "loss": float(vec[0]) / world, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
-               "tokens_per_s": cfg.batch_size * cfg.model.block_size / dt}
-        if self.fp8 is not None:
-            row.update(overflow=int(vec[1]), underflow=int(vec[2]))
-        row["comm_bytes"] = {k: float(v) / world for k, v in zip(keys, vec[6:].tolist())}
-        if self.grad_fp8_names:
-            mu = self.reducer.mu_range()
-            row["allreduce"] = {"overflow": int(vec[3]), "underflow": int(vec[4]), "nonzero": int(vec[5]),
-                                "mu_min": mu and mu[0], "mu_max": mu and mu[1]}
-        return row
-
-    def evaluate(self) -> float:
-        from fp8sim.training.trainer import mean_val_loss
-
-        return mean_val_loss(self.model, self.corpus, self.cfg, self.fp8, self._autocast)
-
-    def memory(self) -> dict:
-        return memory_breakdown(self.model, None if self.zero else self.optimizer, reducer=self.reducer,
-                                zero=self.zero, fp8_names=self.fp8_names)
-
-    def run(self) -> None:
-        import json
-        import sys
-        import time
-
-        from tqdm import tqdm
-
-        cfg = self.cfg
-        show = self.opts.get("progress")
-        show = sys.stderr.isatty() if show is None else show
-        bar = tqdm(total=cfg.steps, disable=not (show and self.rank == 0), unit="step", file=sys.stderr,
-                   desc=f"{cfg.recipe}/{cfg.backend} x{self.world}", dynamic_ncols=True)
-        t_start = time.perf_counter()
-        last = cfg.steps if self.opts.get("stop_after") is None else min(cfg.steps, int(self.opts["stop_after"]))
-        bar.update(self.start_step)
-        done = self.start_step  # the last step whose records are whole
-        try:
-            for step in range(self.start_step + 1, last + 1):
-                row = self.train_step(step)
-                done = step
-                if self.rank == 0:
-                    if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                        row["val_loss"] = self.evaluate()
-                    with open(self.out / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                if step == cfg.steps:  # run.json before the final checkpoint: see Trainer.run
-                    self._summarize(t_start)
-                if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                    self.save(step)
-                bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.4f}")
-        finally:
-            bar.close()
-            if self.recorder is not None:
-                if sys.exc_info()[0] is not None:  # interrupted: a step cut short is not written
-                    self.recorder.discard_after(done)
-                if last == cfg.steps:
-                    self.recorder.close()
-                else:
-                    self.recorder.flush()
-        if self.start_step >= cfg.steps and not (self.out / "run.json").is_file():
-            self._summarize(t_start)  # a finished run of an older version, without its run.json
-
-    def _summarize(self, t_start: float) -> None:
-        """Write run.json (collective: the ranks' memory figures are gathered)."""
-        import time
-
-        import torch.distributed as dist
-
-        mems = [self.memory()]
-        if self.world > 1:
-            mems = [None] * self.world
-            dist.all_gather_object(mems, self.memory())
-        if self.rank == 0:
-            from fp8sim.training.trainer import read_metrics
-
-            self._finish(read_metrics(self.out), mems, time.perf_counter() - t_start)
-
-    def _finish(self, rows: list[dict], mems: list[dict], wall_s: float) -> None:
-        cfg = self.cfg
-        vals = [r["val_loss"] for r in rows if "val_loss" in r]
-        comm = {k: sum(r["comm_bytes"][k] for r in rows) / len(rows) for k in rows[0]["comm_bytes"]}
-        if comm["wgrad_bf16_equiv"]:
-            comm["wgrad_fp8_vs_bf16"] = (comm["wgrad_fp8"] + comm["scales"]) / comm["wgrad_bf16_equiv"]
-        times = sorted(r["step_time_s"] for r in rows)
-        summary = {
-            "config": cfg.to_dict(), "recipe": self.recipe.to_dict(), "options": self._run_options(),
-            "nproc": self.world,
-            "parameters": self.model.num_params(), "steps_done": rows[-1]["step"],
-            "final_loss": rows[-1]["loss"], "final_val_loss": vals[-1] if vals else None,
-            "overflow": sum(r.get("overflow", 0) for r in rows), "underflow": sum(r.get("underflow", 0) for r in rows),
-            "memory_bytes_per_param": mems[0], "memory_bytes_per_param_ranks": mems,
-            "comm_bytes_per_step": comm,
-            "median_step_time_s": times[len(times) // 2], "wall_s": wall_s,
-            "corpus": {"source": self.corpus.source, "bytes": self.corpus.num_bytes, "files": self.corpus.num_files},
-        }
-        if self.grad_fp8_names:
-            summary["allreduce"] = {k: sum(r["allreduce"][k] for r in rows) for k in ("overflow", "underflow", "nonzero")}
-            summary["allreduce"]["mu_final"] = rows[-1]["allreduce"]["mu_min"], rows[-1]["allreduce"]["mu_max"]
-        if self.zero is not None:
-            summary["zero_loads"] = self.zero.loads()
-        from fp8sim.training.trainer import write_json
-
-        write_json(self.out / "run.json", summary)
+    dp = DataParallel(rank, world, grad_scaling=opts.get("grad_scaling"), fp8_grads=opts.get("fp8_grads"))
+    trainer = Trainer(cfg, out, data_parallel=dp, start=opts["start"], recorder_factory=recorder_factory)
+    trainer.run(progress=opts.get("progress"), stop_after=opts.get("stop_after"))

@@ -1,5 +1,5 @@
-"""Helpers for the ranks ``fp8sim train --nproc N`` spawns (:func:`fp8sim.training.distributed.
-train_distributed`): the rank's own error in the launcher, and ranks that end with it."""
+"""Spawning the ranks of ``fp8sim train --nproc N`` (:func:`fp8sim.training.distributed.
+train_distributed`): the ranks, the rank's own error in the launcher, and ranks that end with it."""
 
 from __future__ import annotations
 
@@ -7,12 +7,36 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["rank_error", "spawned_rank"]
+__all__ = ["exit_rank", "rank_error", "spawn_ranks", "spawned_rank"]
 
 #: exceptions of a rank that mean bad input (the CLI's exit 2), as named in its traceback
 _INPUT_ERRORS = ("ValueError", "TypeError", "FileNotFoundError", "FileExistsError", "NotADirectoryError",
                  "IsADirectoryError", "PermissionError", "OSError", "ArithmeticError", "NotImplementedError",
                  "UsageError")
+
+
+def spawn_ranks(world: int, cfg_dict: dict, out: str, opts: dict) -> None:
+    """Run :func:`~fp8sim.training.distributed.run_rank` in ``world`` new processes (joined
+    through a ``file://`` store in a temporary directory) and wait for them. A rank's exception
+    is raised here as :func:`rank_error` gives it (its traceback with ``FP8SIM_DEBUG=1``)."""
+    import logging
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process ..."
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fp8sim-pg-") as d:
+            mp.spawn(spawned_rank, args=(os.getpid(), world, cfg_dict, out, os.path.join(d, "store"), opts),
+                     nprocs=world, join=True)  # fmt: skip
+    except mp.ProcessRaisedException as exc:
+        if os.environ.get("FP8SIM_DEBUG") == "1":
+            raise  # the rank's traceback
+        raise rank_error(exc) from None
+    finally:
+        spawn_log.setLevel(level)
 
 
 def rank_error(exc: Exception) -> Exception:
@@ -39,8 +63,26 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def exit_rank() -> None:
+    """End this spawned rank, its work done and its process group destroyed: stdio flushed,
+    then ``os._exit(0)``, without interpreter shutdown.
+
+    gloo's worker threads outlive ``destroy_process_group`` (a DDP module keeps the group) and
+    can still be finishing a collective that the rank has already seen complete -- releasing its
+    tensors, which are Python's, takes the GIL. When the main thread is meanwhile finalizing the
+    interpreter, Python ends such a thread by force (``pthread_exit``); the forced unwinding
+    through gloo's C++ frames aborts the rank: ``terminate called without an active exception``,
+    SIGABRT, now and then under load. With no interpreter shutdown there is nothing to race.
+    Everything the rank writes is closed by then (checkpoints, metrics and traces are written
+    whole, temp file + rename)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawned_rank(rank: int, parent_pid: int, *args: Any) -> None:
     _die_with_parent(parent_pid)
-    from fp8sim.training.distributed import _run_rank
+    from fp8sim.training.distributed import run_rank
 
-    _run_rank(rank, *args)
+    run_rank(rank, *args)
+    exit_rank()  # an exception instead goes back to the launcher (torch's spawn wrapper)

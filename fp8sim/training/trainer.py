@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from fp8sim.atomic_file import atomic_write
-from fp8sim.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, restore_rng, save_checkpoint
+from fp8sim.training.checkpoint import CHECKPOINT_NAME, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from fp8sim.training.data import ByteCorpus, get_batch, load_corpus
 from fp8sim.training.fp8_linear import convert_to_fp8, get_fp8_state
 from fp8sim.training.model import GPT, GPTConfig
@@ -181,13 +181,27 @@ def mean_val_loss(model, corpus, cfg, fp8, autocast) -> float:
     return sum(losses) / len(losses)
 
 
+def needs_data_parallel(recipe) -> bool:
+    """Whether ``recipe`` trains only through :class:`~fp8sim.training.distributed.DataParallel`
+    (FP8-LM's FP8 all-reduce, FP8 Adam or FP8 weights), even on one rank."""
+    return (recipe.optimizer, recipe.grad_comm, recipe.weight_storage) != ("adamw", "none", "fp32")
+
+
 class Trainer:
     """Builds model, optimizer and data for a :class:`TrainConfig` and trains in ``out_dir``.
 
-    ``resume=True`` continues from ``out_dir/checkpoint.pt``; its config must equal ``cfg``
+    The one training loop, for one process and for every rank of a data-parallel run. Without
+    ``data_parallel`` it trains in this process and checkpoints to ``out_dir/checkpoint.pt``. With
+    a :class:`~fp8sim.training.distributed.DataParallel` it is one rank of ``world``: it trains on
+    its rows of every batch, the object does the gradient communication (DDP, FP8-LM's FP8
+    all-reduce, ZeRO) and the loop checkpoints one file per rank; rank 0 writes the metrics.
+
+    ``resume=True`` continues from the run's last checkpoint; its config must equal ``cfg``
     exactly (the learning-rate schedule depends on ``steps``, batches on ``seed``, ...).
-    ``recorder`` (optional) gets ``begin_step(step)``/``end_step(step)``/``close()`` calls; see
-    :func:`fp8sim.training.record`.
+    ``start`` (``"fresh"``, ``"resume"`` or ``"restart"``, see :func:`start_mode`) is the
+    launcher's decision for the ranks of a data-parallel run; None: decided here from ``resume``.
+    ``recorder_factory(model)`` (optional) gives a recorder that gets
+    ``begin_step(step)``/``end_step(step)``/``close()`` calls; see :func:`fp8sim.training.record`.
     """
 
     def __init__(
@@ -198,83 +212,90 @@ class Trainer:
         resume: bool = False,
         corpus: ByteCorpus | None = None,
         recorder_factory: Callable[[torch.nn.Module], Any] | None = None,
+        data_parallel: Any = None,
+        start: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.out = Path(out_dir)
+        self.dp = dp = data_parallel
+        self.rank = dp.rank if dp is not None else 0
         self.recipe = get_recipe(cfg.recipe)
-        if self.recipe.optimizer != "adamw" or self.recipe.grad_comm != "none" or self.recipe.weight_storage != "fp32":
+        if dp is None and needs_data_parallel(self.recipe):
             raise NotImplementedError(
                 f"recipe {cfg.recipe}: optimizer={self.recipe.optimizer}, grad_comm={self.recipe.grad_comm}, "
                 f"weight_storage={self.recipe.weight_storage} need the distributed FP8-LM trainer"
             )
         self.corpus = corpus if corpus is not None else load_corpus(cfg.data, max_bytes=cfg.max_bytes)
-        if cfg.model.block_size >= self.corpus.val.numel():
-            raise ValueError(f"block_size {cfg.model.block_size} does not fit the validation split")
+        self.corpus.check_block_size(cfg.model.block_size)
         torch.manual_seed(cfg.seed)
         self.model = GPT(cfg.model)
         if self.recipe.is_fp8:
             convert_to_fp8(self.model, self.recipe, cfg.backend, gemm_accumulate=cfg.gemm_accumulate)
         self.fp8 = get_fp8_state(self.model)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, foreach=False
-        )
+        self.params = list(self.model.parameters())
+        hp = {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
+        if dp is None:
+            self.module: torch.nn.Module = self.model  # what the training forward goes through
+            self.optimizer: Any = torch.optim.AdamW(self.params, **hp, foreach=False)
+        else:  # DDP (with the FP8 all-reduce hook) and, under FP8-LM O2/O3, the FP8 optimizer or ZeRO
+            self.module, self.optimizer = dp.attach(self.model, self.recipe, cfg, hp)
+        if start is None:
+            start = start_mode(self.out, resume, data_parallel=dp is not None, config=cfg.to_dict())
         self.start_step = 0
-        ck = None
-        mode = start_mode(self.out, resume, data_parallel=False, config=cfg.to_dict())
-        restart = mode == "restart"
-        if mode == "resume":
-            ck = self._resume()
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        if restart:
-            self._write_metrics([], mode="w")
+        ck = self._resume() if start == "resume" else None
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            if ck is None:  # fresh, or a restart of a run killed before its first checkpoint
+                write_metrics(self.out, [])
         self.recorder = recorder_factory(self.model) if recorder_factory else None
-        if (ck is not None or restart) and self.recorder is not None:
+        if start != "fresh" and self.recorder is not None:
             self.recorder.truncate_after(self.start_step)  # the steps after it are recorded again
             if ck is not None and ck.get("recorder"):
                 self.recorder.load_state_dict(ck["recorder"])
 
-    # -- state ------------------------------------------------------------------------------
+    # -- checkpoints ------------------------------------------------------------------------
     def _resume(self) -> dict:
-        ck = load_checkpoint(self.out)
+        """Restore the last checkpoint (a data-parallel run's: this rank's file, and the model
+        from rank 0's); returns this rank's payload."""
+        if self.dp is None:
+            ck = first = load_checkpoint(self.out)
+        else:
+            ck, first = self.dp.load_checkpoint(self.out)
         if ck["config"] != self.cfg.to_dict():
             diff = sorted(k for k, v in self.cfg.to_dict().items() if ck["config"].get(k) != v)
-            raise ValueError(f"{self.out}: checkpoint was written by a different config (differs in {diff})")
+            raise ValueError(f"--resume: {self.out}: checkpoint was written by a different config (differs in {diff})")
         _check_corpus(self.out, ck, self.corpus)
-        self.model.load_state_dict(ck["model"])
-        self.optimizer.load_state_dict(ck["optimizer"])
+        with torch.no_grad():
+            self.model.load_state_dict(first["model"])
+        if self.dp is None:
+            self.optimizer.load_state_dict(ck["optimizer"])
+        else:  # options checked; the optimizer (rank 0's, or this rank's ZeRO shard), AutoScale
+            self.dp.load_state_dict(ck, first, self.optimizer)
         if self.fp8 is not None:
             self.fp8.load_state_dict(ck["policies"])
         restore_rng(ck["rng"])
-        self.start_step = ck["step"]
-        rows = [r for r in read_metrics(self.out) if r["step"] <= self.start_step]
-        self._write_metrics(rows, mode="w")
+        self.start_step = int(ck["step"])
+        if self.rank == 0:  # the steps after the checkpoint are run (and logged) again
+            write_metrics(self.out, [r for r in read_metrics(self.out) if r["step"] <= self.start_step])
         return ck
 
-    def _write_metrics(self, rows: list[dict], mode: str = "a") -> None:
-        """Append ``rows`` (mode "a") or replace the file with them (mode "w": see
-        :func:`write_metrics`)."""
-        if mode == "w":
-            write_metrics(self.out, rows)
-            return
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
-
     def save(self, step: int) -> None:
-        """Checkpoint after ``step``. The trace is flushed first, so a checkpoint never points
-        past the steps the trace holds (steps after it are re-run, and re-recorded, on resume)."""
+        """Checkpoint after ``step`` (in a data-parallel run every rank calls it: a collective).
+        The trace is flushed first, so a checkpoint never points past the steps the trace holds
+        (steps after it are re-run, and re-recorded, on resume)."""
         if self.recorder is not None:
             self.recorder.flush()
-        save_checkpoint(
-            self.out,
-            step=step,
-            model=self.model,
-            optimizer=self.optimizer,
-            policies=self.fp8.state_dict() if self.fp8 is not None else None,
-            config=self.cfg.to_dict(),
-            extra={"corpus": self.corpus.fingerprint,
-                   **({"recorder": self.recorder.state_dict()} if self.recorder is not None else {})},
-        )
+        recorder = {"recorder": self.recorder.state_dict()} if self.recorder is not None else {}
+        policies = self.fp8.state_dict() if self.fp8 is not None else None
+        if self.dp is None:
+            save_checkpoint(self.out, step=step, model=self.model, optimizer=self.optimizer, policies=policies,
+                            config=self.cfg.to_dict(), extra={"corpus": self.corpus.fingerprint, **recorder})
+            return
+        self.dp.save_checkpoint(self.out, step, {
+            "config": self.cfg.to_dict(), "rng": capture_rng(), "policies": policies, "corpus": self.corpus.fingerprint,
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "recorder": None, **recorder,
+        })  # fmt: skip
 
     # -- steps ------------------------------------------------------------------------------
     def _autocast(self):
@@ -282,47 +303,59 @@ class Trainer:
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self, step: int) -> dict:
-        """Run 1-based training ``step``; returns its metrics row."""
+    def forward_backward(self, step: int) -> torch.Tensor:
+        """Forward and backward of 1-based ``step``'s batch (this rank's rows of it); returns the
+        loss. Afterwards the gradients are reduced over the ranks (``p.grad``, or the FP8 ones in
+        the reducer's stash)."""
         cfg = self.cfg
-        t0 = time.perf_counter()
-        x, y = get_batch(self.corpus, "train", step - 1, cfg.batch_size, cfg.model.block_size, cfg.seed)
-        lr = cfg.lr_at(step)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        x, y = get_batch(self.corpus, "train", step - 1, cfg.batch_size, cfg.model.block_size, cfg.seed)  # (B, T)
+        if self.dp is not None:
+            x, y = self.dp.local_rows(x), self.dp.local_rows(y)  # (B / world, T)
+            self.dp.begin_step()
         if self.fp8 is not None:
             self.fp8.step = step
         if self.recorder is not None:
             self.recorder.begin_step(step)
         self.model.train()
+        for p in self.params:
+            p.grad = None
         with self._autocast():
-            _, loss = self.model(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+            _, loss = self.module(x, y)
+        loss.backward()  # under DDP: the gradients are all-reduced (the FP8 hook) during backward
+        if self.dp is not None:
+            self.dp.end_backward(self.params)
         if self.recorder is not None:
             self.recorder.end_step(step)
+        return loss
+
+    def train_step(self, step: int) -> dict:
+        """Run 1-based training ``step``; returns its metrics row (over every rank)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        lr = cfg.lr_at(step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        loss = self.forward_backward(step)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
+        if self.dp is not None and self.dp.fp8_optimizer:  # gradients in the reducer's stash
+            grad_norm = self.dp.clip_and_step(max_norm)
+        else:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            self.optimizer.step()
+        loss_value, stats = float(loss.detach()), self.fp8.pop_events() if self.fp8 is not None else {}
+        if self.dp is not None:  # the mean loss and summed events over the ranks, bytes sent
+            loss_value, stats = self.dp.step_metrics(loss_value, stats)
         dt = time.perf_counter() - t0
-        row = {
-            "step": step,
-            "loss": float(loss.detach()),
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-            "step_time_s": dt,
-            "tokens_per_s": x.numel() / dt,
-        }
-        if self.fp8 is not None:
-            row.update(self.fp8.pop_events())
-        return row
+        return {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
+                "tokens_per_s": cfg.batch_size * cfg.model.block_size / dt, **stats}
 
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_batches`` fixed batches (policies not updated)."""
         return mean_val_loss(self.model, self.corpus, self.cfg, self.fp8, self._autocast)
 
     def run(self, *, progress: bool | None = None, stop_after: int | None = None) -> dict:
-        """Train from the current step to ``cfg.steps`` (or through ``stop_after``); returns the summary.
+        """Train from the current step to ``cfg.steps`` (or through ``stop_after``, as if killed
+        then); returns the summary (``{}`` on ranks > 0).
 
         ``progress``: tqdm bar on stderr with loss and tokens/s (default: only on a terminal).
         """
@@ -332,26 +365,26 @@ class Trainer:
         if progress is None:
             progress = sys.stderr.isatty()
         last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-        bar = tqdm(
-            total=cfg.steps, initial=self.start_step, disable=not progress, desc=f"{cfg.recipe}/{cfg.backend}",
-            unit="step", file=sys.stderr, dynamic_ncols=True,
-        )
+        desc = f"{cfg.recipe}/{cfg.backend}" + (f" x{self.dp.world}" if self.dp is not None else "")
+        bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not (progress and self.rank == 0), desc=desc,
+                   unit="step", file=sys.stderr, dynamic_ncols=True)  # fmt: skip
         t_start = time.perf_counter()
-        row: dict = {}
+        summary = None
         done = self.start_step  # the last step whose records are whole
         try:
             for step in range(self.start_step + 1, last + 1):
                 row = self.train_step(step)
                 done = step
                 final = step == cfg.steps
-                if final or (cfg.eval_every and step % cfg.eval_every == 0):
-                    row["val_loss"] = self.evaluate()
-                self._write_metrics([row])
+                if self.rank == 0:
+                    if final or (cfg.eval_every and step % cfg.eval_every == 0):
+                        row["val_loss"] = self.evaluate()
+                    with open(self.out / "metrics.jsonl", "a") as f:
+                        f.write(json.dumps(row) + "\n")
                 if final:  # run.json before the final checkpoint: a run killed in between
                     # resumes before the final step and writes it again; one resumed after it
                     # has run no step and keeps it (its gradients, part of the memory, are gone)
-                    summary = self.summary(wall_s=time.perf_counter() - t_start)
-                    write_json(self.out / "run.json", summary)
+                    summary = self.write_summary(time.perf_counter() - t_start)
                 if final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                     self.save(step)
                 bar.update(1)
@@ -364,18 +397,32 @@ class Trainer:
                 self.recorder.close()
         if last < cfg.steps:
             return self.summary(wall_s=time.perf_counter() - t_start)
-        if self.start_step < cfg.steps:  # the final step ran here: run.json is written
+        if summary is not None:  # the final step ran here: run.json is written
             return summary
         if (self.out / "run.json").is_file():
-            return json.loads((self.out / "run.json").read_text())
-        summary = self.summary(wall_s=time.perf_counter() - t_start)  # an older run without one
-        write_json(self.out / "run.json", summary)
+            return json.loads((self.out / "run.json").read_text()) if self.rank == 0 else {}
+        return self.write_summary(time.perf_counter() - t_start)  # a finished run of an older version
+
+    def write_summary(self, wall_s: float) -> dict:
+        """Write run.json (rank 0) and return the summary (collective: every rank calls it)."""
+        summary = self.summary(wall_s=wall_s)
+        if self.rank == 0:
+            write_json(self.out / "run.json", summary)
         return summary
 
     def summary(self, wall_s: float | None = None) -> dict:
+        """The run's summary from its metrics; in a data-parallel run a collective (the ranks'
+        memory figures are gathered) whose result is rank 0's, ``{}`` elsewhere."""
+        if self.dp is None:
+            memory = memory_per_parameter(self.model, self.optimizer)
+        else:
+            ranks = self.dp.memory()  # every rank's figures (memory_breakdown)
+            memory = ranks[0]
+        if self.rank != 0:
+            return {}
         rows = read_metrics(self.out)
         vals = [r["val_loss"] for r in rows if "val_loss" in r]
-        return {
+        out = {
             "config": self.cfg.to_dict(),
             "recipe": self.recipe.to_dict(),
             "parameters": self.model.num_params(),
@@ -384,11 +431,14 @@ class Trainer:
             "final_val_loss": vals[-1] if vals else None,
             "overflow": sum(r.get("overflow", 0) for r in rows),
             "underflow": sum(r.get("underflow", 0) for r in rows),
-            "memory_bytes_per_param": memory_per_parameter(self.model, self.optimizer),
+            "memory_bytes_per_param": memory,
             "median_step_time_s": _median([r["step_time_s"] for r in rows]),
             "wall_s": wall_s,
             "corpus": {"source": self.corpus.source, "bytes": self.corpus.num_bytes, "files": self.corpus.num_files},
         }
+        if self.dp is not None:  # options, ranks, bytes sent, FP8 all-reduce events
+            out.update(self.dp.summary(rows), memory_bytes_per_param_ranks=ranks)
+        return out
 
 
 def _check_corpus(out: Path, ck: dict, corpus) -> None:
