@@ -339,7 +339,7 @@ def test_a_newline_in_a_file_name_stays_in_one_line(tmp_path, capsys):
 
 
 def test_one_line_keeps_short_messages_whole_and_cuts_long_ones():
-    from fp8sim.commands._output import one_line
+    from fp8sim.commands.output import one_line
 
     assert one_line("a\nb: corrupt") == "a\\nb: corrupt"
     assert one_line("plain") == "plain"

@@ -202,7 +202,7 @@ def test_control_characters_in_names_stay_in_one_table_row(tmp_path, capsys):
 
 def test_cell_escapes_like_the_error_lines():
     from fp8sim.analysis.report import escape_cell
-    from fp8sim.commands._output import one_line
+    from fp8sim.commands.output import one_line
 
     assert escape_cell("a\nb\rc") == one_line("a\nb\rc") == "a\\nb\\rc"
     assert escape_cell(" lead\u2028x\u202ey\x7f") == " lead\\u2028x\\u202ey\\x7f"
