@@ -17,24 +17,12 @@ from fp8sim.training.recipes import CastConfig, LinearRecipe
 
 
 def transformers():
-    """Import transformers. Its hard dependency ``kernels`` (Hugging Face's) is shadowed by the
-    repository's own ``kernels/`` folder when the repository root is on sys.path (pytest puts it
-    there): import with the root removed, and leave any ``kernels`` module imported before alone."""
-    if "transformers.models.llama" in sys.modules:
-        import transformers as tf
+    """transformers, quiet (conftest has imported Hugging Face's ``kernels`` the way it must be
+    from a checkout)."""
+    import transformers as tf
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401  (import them now)
+    from transformers.pytorch_utils import Conv1D  # noqa: F401
 
-        return tf
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-    saved_path, saved_kernels = list(sys.path), sys.modules.pop("kernels", None)
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != root]
-    try:
-        import transformers as tf
-        from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401  (import them now)
-        from transformers.pytorch_utils import Conv1D  # noqa: F401
-    finally:
-        sys.path[:] = saved_path
-        if saved_kernels is not None:
-            sys.modules["kernels"] = saved_kernels
     tf.logging.set_verbosity_error()
     return tf
 
