@@ -15,30 +15,6 @@ os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.dirname(__file__),
 import pytest  # noqa: E402
 
 
-def _import_foreign_kernels() -> None:
-    """Hugging Face's ``kernels`` package (a hard dependency of transformers 5.x), imported once
-    with the repository root out of sys.path.
-
-    Only a test run from a checkout needs this: pytest puts the repository root on sys.path (the
-    tests import each other as ``tests.*``), where the folder ``kernels/`` -- installed as
-    ``fp8sim.kernels``, never as a top-level ``kernels`` (tests/test_packaging.py) -- would
-    shadow the PyPI package of that name."""
-    import importlib.util
-    import sys
-
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != root]
-    try:
-        if importlib.util.find_spec("kernels") is not None:
-            import kernels  # noqa: F401  (Hugging Face's; kept in sys.modules)
-    finally:
-        sys.path[:] = saved
-
-
-_import_foreign_kernels()
-
-
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch intra-op thread for a module's tests: on the tiny models one thread is faster
