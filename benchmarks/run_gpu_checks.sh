@@ -8,6 +8,9 @@ set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/fp8sim-numba}
 PY=${PYTHON:-python3}
+# fp8sim installs its kernels/ and analysis/ folders under the fp8sim package: install it (no
+# network needed) when this Python does not have it yet
+(cd /tmp && $PY -c "import fp8sim.kernels" 2>/dev/null) || $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 { nvidia-smi -L; $PY -c "import sys,torch,triton,numba,numpy; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 t0=$SECONDS
 timeout "${GPU_CHECK_S:-200}" $PY benchmarks/gpu_check.py --log2n "${LOG2N:-24}" --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
