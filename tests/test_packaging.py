@@ -84,6 +84,23 @@ def test_the_wheel_has_one_top_level_name(tmp_path):
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "fp8sim = fp8sim.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
+    # a regular (not editable) install of that wheel works on its own
+    site = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                           "--target", str(site), str(wheel)], capture_output=True, text=True,
+                          timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_env = {**env, "PYTHONPATH": str(site), "TRITON_INTERPRET": "1"}
+    code = ("import fp8sim, fp8sim.kernels.quantize, fp8sim.analysis.commands, fp8sim.cli; "
+            "print(fp8sim.__file__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=run_env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith(str(site))  # the installed copy, not the checkout
+    proc = subprocess.run([sys.executable, "-m", "fp8sim", "formats", "--json"], capture_output=True,
+                          text=True, env=run_env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0 and '"e4m3"' in proc.stdout, proc.stderr[-2000:]
+
 
 @pytest.fixture
 def foreign_packages(tmp_path):
