@@ -34,6 +34,27 @@ from fp8sim.commands.output import one_line
 __all__ = ["register", "run_analyze", "run_replay"]
 
 
+#: what ``fp8sim analyze --help`` says about its table (docs/cli.md says more)
+ANALYZE_EPILOG = """\
+table, one row per tensor x format x scaling, worst first:
+  status     critical: any value overflows, or underflow >= --underflow-critical (2%);
+             warning: underflow >= --underflow-warning (0.5%), or NaN/inf present, or MX blocks
+             lost to a NaN scale; ok: otherwise
+  amax       max |x| (inf: a value beyond float32's range)
+  scale      the multiplier applied before the cast (the smallest one for row/block/MX)
+  overflow   finite values whose scaled magnitude rounds above the format's max, with their
+             share of the finite values
+  underflow  nonzero finite values that become 0, with their share of the nonzero values
+  subnormal  values that land in the format's subnormal range
+  sqnr_db    signal-to-quantization-noise ratio in dB (exact: no error; -inf: an error that is
+             not finite; -: undefined)
+
+--fail-on METRIC OP VALUE[%], comma-separated, OP one of > >= < <=; METRIC one of:
+  overflow, underflow, subnormal (count, or % share), nan, inf, lost, sqnr_db, rel_mse, amax
+  e.g. --fail-on "overflow>0,underflow>1%,sqnr_db<20"   (exit 1 when any record crosses one)
+"""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "analyze",
@@ -42,6 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Analyze tensors in .safetensors/.pt/.pth/.npy/.npz files, directories of them, or "
             "fp8sim traces. .pt files load with torch.load(weights_only=True) only."
         ),
+        epilog=ANALYZE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="dump files, directories or traces")
     p.add_argument("--format", default="e4m3,e5m2", help="comma-separated formats (default e4m3,e5m2)")

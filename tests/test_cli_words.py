@@ -54,3 +54,17 @@ def test_debug_shows_the_traceback_and_keeps_the_exit_code(capsys, monkeypatch):
     rc, _, err = run(capsys, "cast", "1", "nan", "--format", "e2m1")
     assert rc == 2  # bad input stays 2 (Python's 1 would read as a crossed --fail-on)
     assert "Traceback (most recent call last)" in err and "(first: nan)" in err
+
+
+def test_analyze_help_defines_statuses_columns_and_every_fail_on_metric(capsys):
+    from fp8sim.analysis.report import FAIL_METRICS
+
+    with pytest.raises(SystemExit):
+        cli.main(["analyze", "--help"])
+    out = capsys.readouterr().out
+    for word in ("critical:", "warning:", "ok:", "amax", "scale", "overflow", "underflow",
+                 "subnormal", "sqnr_db"):
+        assert word in out, word
+    metrics_line = out.split("METRIC one of:")[1].splitlines()[1]
+    assert [m.strip(" ,") for m in metrics_line.replace("(count, or % share)", "").split(",")] \
+        == list(FAIL_METRICS)
