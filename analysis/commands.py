@@ -428,6 +428,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         plot_dir.finish()
 
     records = sort_worst_first(records)
+    notes += scale_fallback_notes(records)
     trace_rows = [r for t in traces for r in t["tensors"]]
     crossed = failures(records + trace_rows, rules) if rules else []
     counts = {k: sum(r["status"] == k for r in records + trace_rows) for k in ("critical", "warning", "ok")}
@@ -473,6 +474,23 @@ def run_analyze(args: argparse.Namespace) -> int:
              f"({r['format']}, {r['scaling']})")  # fmt: skip
         return 1
     return 0
+
+
+def scale_fallback_notes(records: list[dict]) -> list[dict]:
+    """A note for each record whose tensor scale fell back to 1 because the tensor holds inf:
+    the scale rule keeps 1 when the amax it sees is inf, so that record's underflow and SQNR are
+    those of the unscaled values (the table alone shows only "scale 1" and a large underflow)."""
+    out = []
+    for r in records:
+        if r["scaling"] != "tensor" or r["scale"] != 1.0:
+            continue
+        if not r["inf"]:
+            continue
+        why = f"the tensor holds {r['inf']} inf value(s), so the amax the rule sees is inf"
+        out.append({"file": r.get("file"), "name": r["name"],
+                    "note": f"{r['format']}, tensor scaling: the scale fell back to 1 ({why}); "
+                            "its underflow and SQNR are those of the unscaled values"})
+    return out
 
 
 def sort_worst_first_trace(rows: list[dict]) -> list[dict]:

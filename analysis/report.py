@@ -202,6 +202,9 @@ def format_table(records: list[dict[str, Any]], *, limit: int | None = None) -> 
     headers = ["status", "tensor", "format", "scaling", "numel", "amax", "scale",
                "overflow", "underflow", "subnormal", "sqnr_db"]  # fmt: skip
     shown = records if limit is None else records[:limit]
+    specials = any(r.get("nan") or r.get("inf") for r in shown)  # the column only when it says something
+    if specials:
+        headers.insert(7, "nan/inf")
     tensor = _tensor_cells(records)
     rows = []
     for r in shown:
@@ -220,7 +223,10 @@ def format_table(records: list[dict[str, Any]], *, limit: int | None = None) -> 
                 _sqnr_cell(r),
             ]
         )
-    text = text_table(headers, rows, right={4, 5, 6, 7, 8, 9, 10})
+        if specials:
+            nan, inf = r.get("nan", 0), r.get("inf", 0)
+            rows[-1].insert(7, f"{nan}/{inf}" if nan or inf else "-")
+    text = text_table(headers, rows, right=set(range(4, len(headers))))
     if limit is not None and len(records) > limit:
         text += f"\n... {len(records) - limit} more (use --top 0 for all, or --json)"
     return text

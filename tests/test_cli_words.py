@@ -68,3 +68,27 @@ def test_analyze_help_defines_statuses_columns_and_every_fail_on_metric(capsys):
     metrics_line = out.split("METRIC one of:")[1].splitlines()[1]
     assert [m.strip(" ,") for m in metrics_line.replace("(count, or % share)", "").split(",")] \
         == list(FAIL_METRICS)
+
+
+def test_the_table_shows_nan_and_inf_and_why_a_scale_fell_back(tmp_path, capsys):
+    import json
+
+    import numpy as np
+
+    g = (np.random.default_rng(0).standard_normal(4096) * 1e-3).astype(np.float32)
+    g[:5], g[5:11] = np.nan, np.inf
+    np.save(tmp_path / "grads.npy", g)
+    np.save(tmp_path / "clean.npy", np.abs(g[11:]))
+    rc, out, err = run(capsys, "analyze", str(tmp_path / "grads.npy"), str(tmp_path / "clean.npy"),
+                       "--format", "e4m3")
+    lines = out.splitlines()
+    col = lines[0].split().index("nan/inf")
+    cells = {ln.split()[1]: ln.split()[col] for ln in lines[2:]}
+    assert cells == {"grads": "5/6", "clean": "-"}
+    assert "scale fell back to 1 (the tensor holds 6 inf value(s)" in err
+    assert err.count("fell back") == 1  # the clean tensor has a real scale: no note
+    rc, out, _ = run(capsys, "analyze", str(tmp_path / "clean.npy"), "--format", "e4m3")
+    assert "nan/inf" not in out  # the column appears only when it says something
+    rc, out, _ = run(capsys, "analyze", str(tmp_path / "grads.npy"), "--format", "e4m3", "--json", "-")
+    notes = json.loads(out)["notes"]
+    assert [n["name"] for n in notes if "fell back" in n["note"]] == ["grads"]
