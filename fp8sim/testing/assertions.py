@@ -185,6 +185,17 @@ def code_rows(x: np.ndarray, expected: np.ndarray, received: np.ndarray, bad: np
             f"{shown}:\n" + rep.table(header, rows))
 
 
+def search_draws(strategy: Any, check: Callable[..., bool], max_examples: int,
+                 hypothesis_seed: int | None, name: str, what: str) -> None:
+    """Let hypothesis look for a draw ``check`` fails on; report the shrunk one through
+    ``check`` (which raises), or say the cast is not deterministic if it passes on the rerun."""
+    found = find_failing(strategy, lambda a: check(a, "", raise_=False), max_examples,
+                         hypothesis_seed, name)
+    if found is not None:
+        check(found, f"{what} (shrunk; hypothesis_seed={hypothesis_seed})")
+        not_deterministic(name)
+
+
 def assert_bitexact(
     fn: Callable[[Any], Any],
     fmt: FloatFormat | str,
@@ -261,9 +272,5 @@ def assert_bitexact(
         from hypothesis import strategies as st
 
         strategy = arrays(fmt, st.tuples(st.integers(1, 64)), dtype=dtype)
-        found = find_failing(strategy, lambda a: check(a, "", raise_=False), max_examples,
-                      hypothesis_seed, name)
-        if found is not None:
-            check(found, f"a {dtype.name} array drawn by hypothesis (shrunk; hypothesis_seed="
-                         f"{hypothesis_seed})")
-            not_deterministic(name)
+        search_draws(strategy, check, max_examples, hypothesis_seed, name,
+                     f"a {dtype.name} array drawn by hypothesis")

@@ -25,8 +25,7 @@ from fp8sim.testing.assertions import (
     call_repr,
     check_hypothesis,
     code_rows,
-    find_failing,
-    not_deterministic,
+    search_draws,
     received_codes,
     to_input,
 )
@@ -227,9 +226,5 @@ def assert_scaled_bitexact(
         check_hypothesis()
         strategy = arrays(fmt, shape, dtype=dtype).map(
             lambda a: _sanitize(a, fmt, gran, saturate))
-        found = find_failing(strategy, lambda a: check(a, "", raise_=False), max_examples,
-                      hypothesis_seed, name)
-        if found is not None:
-            check(found, f"an array drawn by hypothesis (shrunk; hypothesis_seed="
-                         f"{hypothesis_seed})")
-            not_deterministic(name)
+        search_draws(strategy, check, max_examples, hypothesis_seed, name,
+                     "an array drawn by hypothesis")
