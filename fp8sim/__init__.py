@@ -6,18 +6,42 @@ The emulator is the oracle::
     fmt = fp8sim.get_format("e4m3")
     codes = fp8sim.encode(x, fmt, rounding="rne", saturate=True)
     values = fp8sim.decode(codes, fmt)
+
+The names below are imported on first use (PEP 562), so ``import fp8sim`` -- and ``fp8sim
+--help`` -- does not compile or load numba until an emulator function is called for.
 """
 
-from fp8sim.emulator import ROUNDING_MODES, decode, encode, quantize
-from fp8sim.formats import FloatFormat, get_format, list_formats
+from __future__ import annotations
 
-__all__ = [
-    "FloatFormat",
-    "get_format",
-    "list_formats",
-    "encode",
-    "decode",
-    "quantize",
-    "ROUNDING_MODES",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "FloatFormat": "fp8sim.formats",
+    "get_format": "fp8sim.formats",
+    "list_formats": "fp8sim.formats",
+    "encode": "fp8sim.emulator",
+    "decode": "fp8sim.emulator",
+    "quantize": "fp8sim.emulator",
+    "ROUNDING_MODES": "fp8sim.formats",
+}
+
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
+    from fp8sim.emulator import decode, encode, quantize
+    from fp8sim.formats import ROUNDING_MODES, FloatFormat, get_format, list_formats
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'fp8sim' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -33,7 +33,7 @@ import numpy as np
 
 from fp8sim._numba import encode_core as core
 from fp8sim._numba.jit import PARALLEL_MIN_ELEMENTS
-from fp8sim.formats import FloatFormat, get_format
+from fp8sim.formats import ROUNDING_MODES, FloatFormat, get_format
 from fp8sim.philox import seed_words
 
 __all__ = [
@@ -47,7 +47,6 @@ __all__ = [
     "as_float_array",
 ]
 
-ROUNDING_MODES = ("rne", "rna", "rtz", "up", "down", "odd", "stochastic")
 ROUNDING_IDS = {name: i for i, name in enumerate(ROUNDING_MODES)}
 _NAN_KIND_IDS = {"ieee": core.NAN_IEEE, "fn": core.NAN_FN, "fnuz": core.NAN_FNUZ,
                  "none": core.NAN_NONE}

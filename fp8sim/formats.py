@@ -26,9 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FloatFormat", "get_format", "list_formats", "FORMATS", "NAN_KINDS"]
+__all__ = ["FloatFormat", "get_format", "list_formats", "FORMATS", "NAN_KINDS", "ROUNDING_MODES"]
 
 NAN_KINDS = ("ieee", "fn", "fnuz", "none")
+
+#: the rounding modes the emulator implements (the exact rules: ``fp8sim._numba.encode_core``)
+ROUNDING_MODES = ("rne", "rna", "rtz", "up", "down", "odd", "stochastic")
 
 
 @dataclass(frozen=True)

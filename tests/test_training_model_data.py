@@ -41,7 +41,7 @@ def test_gpt_weight_tying_and_param_count():
 def test_gpt_rejects_long_sequences_and_bad_config():
     with pytest.raises(ValueError, match="block_size"):
         GPT(TINY)(torch.zeros(1, 33, dtype=torch.long))
-    with pytest.raises(ValueError, match="multiple of n_head"):
+    with pytest.raises(ValueError, match="multiple of the number of heads"):
         GPTConfig(n_embd=30, n_head=4)
 
 

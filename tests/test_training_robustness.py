@@ -95,7 +95,7 @@ def test_corrupt_checkpoint_is_named(tmp_path, capsys, corpus, damage):
         body = torch.load(ck, weights_only=True)
         del body["model"]
         torch.save(body, ck)
-    rc, _, err = train(capsys, corpus, "--steps", "4", "--out", out, "--resume")
+    rc, _, err = train(capsys, corpus, "--out", out, "--resume")
     assert rc == 2 and f"{ck}: corrupt or not an fp8sim checkpoint" in err
 
 
@@ -134,10 +134,12 @@ def test_zero_reference_loss_and_strict_json(tmp_path, capsys, corpus):
 
 
 @pytest.mark.parametrize("opt, value, says", [
-    ("--eval-every", "-1", "eval_every must be >= 0"),
-    ("--checkpoint-every", "-3", "checkpoint_every must be >= 0"),
-    ("--warmup", "-3", "warmup must be >= 0"),
-    ("--lr", "inf", "lr must be finite and > 0"),
+    ("--eval-every", "-1", "error: --eval-every must be an integer >= 0, got -1"),
+    ("--checkpoint-every", "-3", "error: --checkpoint-every must be an integer >= 0, got -3"),
+    ("--warmup", "-3", "error: --warmup must be an integer >= 0, got -3"),
+    ("--lr", "inf", "error: --lr must be finite and > 0, got inf"),
+    ("--steps", "0", "error: --steps must be an integer >= 1, got 0"),
+    ("--n-head", "3", "error: --n-embd must be a multiple of the number of heads (3)"),
     ("--data", "", "an empty path"),
     ("--out", "", "--out: an empty path"),
     ("--record", "", "--record: an empty path"),
@@ -155,6 +157,23 @@ def test_resume_after_the_final_step_keeps_run_json(tmp_path, capsys, corpus):
     rc, stdout, _ = train(capsys, corpus, "--steps", "2", "--out", out, "--resume", "--json")
     assert rc == 0 and json.loads((out / "run.json").read_text()) == before
     assert json.loads(stdout)["memory_bytes_per_param"]["grads"] == 4.0
+
+
+def test_resume_takes_the_options_left_out_from_the_runs_config(tmp_path, capsys, corpus):
+    """--resume needs only --out: recipe, seed, sizes, corpus and the rest come from config.json; a
+    flag given must agree with it, and one that does not is refused by name before anything runs."""
+    out = tmp_path / "r"
+    first = ["--recipe", "te-current", "--seed", "3", "--lr", "0.01", "--warmup", "1", "--eval-every", "0"]
+    assert train(capsys, corpus, "--steps", "2", "--out", out, *first)[0] == 0
+    metrics = (out / "metrics.jsonl").read_text()
+    rc, err = cli.main(["train", "--resume", "--out", str(out), "--json"]), capsys.readouterr().err
+    assert rc == 0, err
+    assert (out / "metrics.jsonl").read_text() == metrics
+    rc, err = cli.main(["train", "--resume", "--out", str(out), "--seed", "4"]), capsys.readouterr().err
+    assert rc == 2 and "--seed 4: the run in --out was trained with 3; leave the option out" in err
+    rc, err = cli.main(["train", "--resume", "--out", str(out), "--seed", "3", "--recipe", "te-current"]), \
+        capsys.readouterr().err
+    assert rc == 0, err
 
 
 def test_an_interrupted_save_leaves_no_temporary_file(tmp_path, monkeypatch):
@@ -290,7 +309,7 @@ def test_a_restart_is_only_for_the_same_unfinished_run(tmp_path, capsys, corpus)
     assert rc == 2 and "holds a finished run (run.json) whose checkpoint is gone" in err
     (out / "run.json").unlink()
     rc, _, err = train(capsys, corpus, "--steps", "2", "--seed", "7", "--out", out, "--resume")
-    assert rc == 2 and "holds a run of another config (differs in ['seed'])" in err
+    assert rc == 2 and "--seed 7: the run in --out was trained with 0; leave the option out" in err
     assert (out / "metrics.jsonl").read_text() == metrics
     hf = tmp_path / "hf"  # a model folder: its config.json is not a run's
     hf.mkdir()

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from fp8sim.emulator import ROUNDING_MODES
+from fp8sim.formats import ROUNDING_MODES
 from fp8sim.formats import FloatFormat, get_format
 
 __all__ = [

@@ -9,8 +9,7 @@ import re
 import numpy as np
 
 from fp8sim.commands.output import print_json, print_table
-from fp8sim.emulator import ROUNDING_MODES, decode, encode
-from fp8sim.formats import get_format
+from fp8sim.formats import ROUNDING_MODES, get_format
 
 __all__ = ["register", "run", "cast_record"]
 
@@ -82,6 +81,8 @@ def _in_cli_words(message: str, values: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fp8sim.emulator import decode, encode  # compiles numba code: only when casting
+
     fmt = get_format(args.format)
     x = np.array([_parse_value(v) for v in args.values], dtype=np.float64)
     kw = {}

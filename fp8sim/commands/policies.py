@@ -11,7 +11,6 @@ import argparse
 import sys
 
 from fp8sim.commands.output import print_json
-from fp8sim.policies import POLICY_SPECS, format_param, parse_policy
 
 __all__ = ["register", "run"]
 
@@ -31,6 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fp8sim.policies import POLICY_SPECS, format_param, parse_policy  # numba: only when run
+
     if args.spec is not None:
         policy = parse_policy(args.spec)  # ValueError -> one line, exit 2 (cli.main)
         info = {

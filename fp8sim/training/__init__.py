@@ -4,29 +4,54 @@ Nothing here patches torch: a model -- any ``nn.Module``, e.g. a Hugging Face on
 an explicit ``convert_to_fp8(model, "te-delayed", backend="emulator")``; the FP8-LM recipes, whose
 optimizer, gradient communication and weight storage levels need more than the linear layers, by
 ``fp8sim.training.fp8lm.prepare(model, "fp8lm-o2")``.
+
+The names below are imported on first use (PEP 562): the command line registers ``fp8sim train``
+without importing torch.
 """
 
-from fp8sim.training.fp8_linear import Fp8Linear, Fp8State, convert_to_fp8, get_fp8_state
-from fp8sim.training.model import GPT, GPTConfig
-from fp8sim.training.recorder import Recorder, record
-from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe, get_recipe, list_recipes, register_recipe
-from fp8sim.training.trainer import TrainConfig, Trainer
+from __future__ import annotations
 
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "CastConfig",
-    "LinearRecipe",
-    "Recipe",
-    "get_recipe",
-    "list_recipes",
-    "register_recipe",
-    "Fp8Linear",
-    "Fp8State",
-    "convert_to_fp8",
-    "get_fp8_state",
-    "TrainConfig",
-    "Trainer",
-    "Recorder",
-    "record",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "GPT": "fp8sim.training.model",
+    "GPTConfig": "fp8sim.training.config",
+    "CastConfig": "fp8sim.training.recipes",
+    "LinearRecipe": "fp8sim.training.recipes",
+    "Recipe": "fp8sim.training.recipes",
+    "get_recipe": "fp8sim.training.recipes",
+    "list_recipes": "fp8sim.training.recipes",
+    "register_recipe": "fp8sim.training.recipes",
+    "Fp8Linear": "fp8sim.training.fp8_linear",
+    "Fp8State": "fp8sim.training.fp8_linear",
+    "convert_to_fp8": "fp8sim.training.fp8_linear",
+    "get_fp8_state": "fp8sim.training.fp8_linear",
+    "TrainConfig": "fp8sim.training.config",
+    "Trainer": "fp8sim.training.trainer",
+    "Recorder": "fp8sim.training.recorder",
+    "record": "fp8sim.training.recorder",
+}
+
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
+    from fp8sim.training.config import GPTConfig, TrainConfig
+    from fp8sim.training.fp8_linear import Fp8Linear, Fp8State, convert_to_fp8, get_fp8_state
+    from fp8sim.training.model import GPT
+    from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe, get_recipe, list_recipes, register_recipe
+    from fp8sim.training.recorder import Recorder, record
+    from fp8sim.training.trainer import Trainer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'fp8sim.training' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -25,38 +25,57 @@ from fp8sim.commands.output import print_json
 __all__ = ["register", "run_train", "run_compare"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    from fp8sim.training.recipes import list_recipes
-    from fp8sim.training.trainer import BACKENDS, TrainConfig
+#: ``fp8sim train`` options that set a TrainConfig field (``model.X``: a GPTConfig field). Their
+#: parser default is None, so a ``--resume`` can tell a flag the user gave (checked against the
+#: run's config.json) from one left out (taken from it); ``--help`` shows the real default.
+CONFIG_FLAGS = {
+    "recipe": "recipe", "backend": "backend", "gemm_accumulate": "gemm_accumulate", "steps": "steps",
+    "seed": "seed", "data": "data", "batch_size": "batch_size", "lr": "lr", "warmup": "warmup",
+    "eval_every": "eval_every", "checkpoint_every": "checkpoint_every", "n_layer": "model.n_layer",
+    "n_head": "model.n_head", "n_embd": "model.n_embd", "block_size": "model.block_size",
+}  # fmt: skip
 
-    d = TrainConfig()
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from fp8sim.training.config import BACKENDS, GPTConfig, TrainConfig, defaults
+    from fp8sim.training.recipes import list_recipes
+
+    d, m = defaults(TrainConfig), defaults(GPTConfig)
     p = subparsers.add_parser(
         "train",
         help="train the tiny byte-level GPT with a precision recipe",
-        description="Train the tiny byte-level GPT (default corpus: the Python standard library's .py files).",
-    )
-    p.add_argument("--recipe", default=d.recipe, choices=list_recipes(), help="precision recipe (default %(default)s)")
-    p.add_argument("--backend", default=d.backend, choices=BACKENDS, help="FP8 backend (default %(default)s)")
-    p.add_argument("--gemm-accumulate", default=d.gemm_accumulate, choices=("float32", "float64"),
+        description="Train the tiny byte-level GPT (default corpus: the Python standard library's .py files). "
+                    "With --resume, the run's own config.json supplies every option left out.",
+    )  # fmt: skip
+    p.add_argument("--recipe", choices=list_recipes(), help=f"precision recipe (default {d['recipe']})")
+    p.add_argument("--backend", choices=BACKENDS, help=f"FP8 backend (default {d['backend']})")
+    p.add_argument("--gemm-accumulate", choices=("float32", "float64"),
                    help="FP8 GEMM accumulation on the CPU backends: float32 (torch.mm of the exactly decoded "
-                        "operands, fast) or float64 (exact products, one final rounding) (default %(default)s)")
-    p.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of init and batches (default %(default)s)")
-    p.add_argument("--out", default=None, help="run directory (default runs/RECIPE-BACKEND-sSEED)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+                        f"operands, fast) or float64 (exact products, one final rounding) (default {d['gemm_accumulate']})")
+    p.add_argument("--steps", type=int, metavar="N", help=f"training steps (default {d['steps']})")
+    p.add_argument("--seed", type=int, metavar="S", help=f"seed of init and batches (default {d['seed']})")
+    p.add_argument("--out", default=None, metavar="DIR", help="run directory (default runs/RECIPE-BACKEND-sSEED)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its checkpoint; options left out come from its config.json, "
+                        "options given must match it")  # fmt: skip
     p.add_argument("--record", metavar="DIR", default=None, help="write a trace of every FP8 tensor to DIR")
     p.add_argument("--save-every", type=int, default=0, metavar="K",
-                   help="with --record: also save full tensors every K steps (0: never)")
-    p.add_argument("--data", default=None, metavar="FILE|DIR", help="corpus (default: Python stdlib sources)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    p.add_argument("--n-layer", type=int, default=d.model.n_layer)
-    p.add_argument("--n-head", type=int, default=d.model.n_head)
-    p.add_argument("--n-embd", type=int, default=d.model.n_embd)
-    p.add_argument("--block-size", type=int, default=d.model.block_size)
+                   help="with --record: also save full tensors every K steps (default 0: never)")
+    p.add_argument("--data", metavar="FILE|DIR",
+                   help=f"corpus: a text file or a directory of .py/.txt/.md files, at most {d['max_bytes'] // 2**20} MiB "
+                        "used (default: the Python standard library's sources)")  # fmt: skip
+    p.add_argument("--batch-size", type=int, metavar="B", help=f"sequences per step (default {d['batch_size']})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate; cosine decay to {d['min_lr_ratio']:g}x (default {d['lr']:g})")
+    p.add_argument("--warmup", type=int, metavar="N", help=f"linear learning-rate warm-up steps (default {d['warmup']})")
+    p.add_argument("--eval-every", type=int, metavar="N",
+                   help=f"validation loss every N steps and at the last (0: only at the last; default {d['eval_every']})")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help=f"checkpoint every N steps and at the last (0: only at the last; default {d['checkpoint_every']})")
+    p.add_argument("--n-layer", type=int, metavar="N", help=f"transformer blocks (default {m['n_layer']})")
+    p.add_argument("--n-head", type=int, metavar="N", help=f"attention heads, dividing --n-embd (default {m['n_head']})")
+    p.add_argument("--n-embd", type=int, metavar="C",
+                   help=f"model width; FP8 GEMMs need a multiple of 16 (32 for MX) (default {m['n_embd']})")
+    p.add_argument("--block-size", type=int, metavar="T", help=f"context length in bytes (default {m['block_size']})")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="data-parallel ranks, spawned with torch.multiprocessing (gloo on CPU); under torchrun "
                         "the ranks come from the environment (default %(default)s)")
@@ -81,16 +100,62 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_compare)
 
 
-def config_from_args(args: argparse.Namespace):
-    from fp8sim.training.model import GPTConfig
-    from fp8sim.training.trainer import TrainConfig
+def config_from_args(args: argparse.Namespace, stored: dict | None = None):
+    """The run's TrainConfig: each option given on the command line, else ``stored`` (a resumed
+    run's config.json) else the default. An option given that differs from ``stored`` is refused,
+    naming the flag; a bad value is refused naming the flag (``--steps must be ...``)."""
+    from fp8sim.training.config import ConfigError, TrainConfig
 
-    model = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    return TrainConfig(
-        recipe=args.recipe, backend=args.backend, gemm_accumulate=args.gemm_accumulate, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-        warmup=args.warmup, seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-        data=args.data, model=model,
-    )
+    if stored is not None:
+        stored = TrainConfig.from_dict(stored).to_dict()  # a damaged config.json: its own error
+    base = dict(stored) if stored is not None else TrainConfig().to_dict()
+    model = dict(base.get("model") or {})
+    for dest, path in CONFIG_FLAGS.items():
+        given = getattr(args, dest, None)
+        if given is None:
+            continue
+        key, target = (path[6:], model) if path.startswith("model.") else (path, base)
+        if stored is not None and target.get(key) != given:
+            raise ValueError(f"--{dest.replace('_', '-')} {given}: the run in --out was trained with "
+                             f"{target.get(key)!r}; leave the option out to resume it")  # fmt: skip
+        target[key] = given
+    base["model"] = model
+    try:
+        return TrainConfig.from_dict(base)
+    except ConfigError as exc:
+        flag = {path: dest for dest, path in CONFIG_FLAGS.items()}.get(exc.field)
+        if flag is None:
+            raise
+        raise ValueError(f"--{flag.replace('_', '-')} {exc.rule}") from None
+
+
+def _stored_config(args: argparse.Namespace) -> dict | None:
+    """With ``--resume``, the run's config.json (None when it has none yet: a run killed before
+    writing it starts again from the flags)."""
+    import json
+
+    if not args.resume:
+        return None
+    out = args.out or _default_out(args)
+    path = Path(out) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as f:
+            stored = json.loads(f.read(1 << 20))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"--resume: {path} is not an fp8sim run config ({exc})") from None
+    if not isinstance(stored, dict):
+        raise ValueError(f"--resume: {path} is not an fp8sim run config (not a JSON object)")
+    return stored
+
+
+def _default_out(args: argparse.Namespace) -> str:
+    from fp8sim.training.config import TrainConfig, defaults
+
+    d = defaults(TrainConfig)
+    pick = lambda k: d[k] if getattr(args, k) is None else getattr(args, k)  # noqa: E731
+    return f"runs/{pick('recipe')}-{pick('backend')}-s{pick('seed')}"
 
 
 def _run_distributed(args: argparse.Namespace, cfg, out: Path) -> dict | None:
@@ -127,12 +192,19 @@ def run_train(args: argparse.Namespace) -> int:
     from fp8sim.training.recipes import get_recipe
     from fp8sim.training.trainer import Trainer, run_begun
 
-    cfg = config_from_args(args)
     for opt in ("out", "record"):
         if getattr(args, opt) is not None and not str(getattr(args, opt)).strip():
             raise ValueError(f"--{opt}: an empty path (give a directory, or leave the option out)")
-    out = Path(args.out or f"runs/{cfg.recipe}-{cfg.backend}-s{cfg.seed}")
-    _check_outside_data(args.data, {"--out": out, "--record": args.record})
+    stored = _stored_config(args)
+    try:
+        cfg = config_from_args(args, stored)
+    except ValueError as exc:
+        if stored is None or str(exc).startswith("--"):
+            raise
+        raise ValueError(f"--resume: {Path(args.out or _default_out(args)) / 'config.json'} is not an fp8sim "
+                         f"run config ({exc})") from None
+    out = Path(args.out or _default_out(args))
+    _check_outside_data(cfg.data, {"--out": out, "--record": args.record})
     if args.record is not None and not args.resume and not run_begun(out):  # before config.json
         rec = Path(args.record)
         if (rec / "trace.json").exists() or (rec / "rank0" / "trace.json").exists():

@@ -11,35 +11,14 @@ tying, as GPT-2), and stays in high precision under every FP8 recipe (as Transfo
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8sim.training.config import GPTConfig
+
 __all__ = ["GPTConfig", "GPT"]
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Model size. Defaults: the demo's model (124,672 parameters, 99 k of them in the blocks)."""
-
-    block_size: int = 128  # context length T
-    vocab_size: int = 256  # bytes
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64  # C; the FP8 GEMMs need multiples of 16 (32 for MX blocks)
-    bias: bool = True
-
-    def __post_init__(self) -> None:
-        for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"GPTConfig.{field} must be >= 1, got {getattr(self, field)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig: n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class CausalSelfAttention(nn.Module):

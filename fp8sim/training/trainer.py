@@ -21,7 +21,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,81 +30,11 @@ from fp8sim.atomic_file import atomic_write
 from fp8sim.training.checkpoint import CHECKPOINT_NAME, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from fp8sim.training.data import ByteCorpus, get_batch, load_corpus
 from fp8sim.training.fp8_linear import convert_to_fp8, get_fp8_state
+from fp8sim.training.config import BACKENDS, TrainConfig
 from fp8sim.training.model import GPT, GPTConfig
 from fp8sim.training.recipes import get_recipe
 
 __all__ = ["TrainConfig", "Trainer", "mean_val_loss", "memory_per_parameter", "read_metrics", "BACKENDS"]
-
-BACKENDS = ("emulator", "torch", "triton")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything that determines a run's numbers."""
-
-    recipe: str = "bf16"
-    backend: str = "emulator"  # FP8 backend; ignored by recipes without FP8 GEMMs
-    # FP8 GEMM accumulation: "float32" (torch.mm of the exactly decoded operands, shared by the
-    # emulator and torch backends) or "float64" (exact products, one rounding); see fp8_linear
-    gemm_accumulate: str = "float32"
-    steps: int = 200
-    batch_size: int = 16
-    lr: float = 3e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at the last step
-    warmup: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0  # max global gradient norm (0: off)
-    seed: int = 0
-    eval_every: int = 50  # and at the last step; 0: only at the last step
-    eval_batches: int = 4
-    checkpoint_every: int = 50  # and at the last step; 0: only at the last step
-    data: str | None = None  # None: the Python standard library's .py sources
-    max_bytes: int = 16 * 2**20
-    model: GPTConfig = field(default_factory=GPTConfig)
-
-    def __post_init__(self) -> None:
-        get_recipe(self.recipe)  # validates the name
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        from fp8sim.backends.base import GEMM_ACCUMULATIONS
-
-        if self.gemm_accumulate not in GEMM_ACCUMULATIONS:
-            raise ValueError(f"gemm_accumulate must be one of {GEMM_ACCUMULATIONS}, got {self.gemm_accumulate!r}")
-        for name in ("steps", "batch_size", "eval_batches", "max_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "eval_every", "checkpoint_every"):  # 0: none / only at the end
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"TrainConfig.lr must be finite and > 0, got {self.lr}")
-        for name in ("min_lr_ratio", "weight_decay", "grad_clip"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
-                raise ValueError(f"TrainConfig.{name} must be finite and >= 0, got {getattr(self, name)}")
-        if self.data is not None and not str(self.data).strip():
-            raise ValueError("TrainConfig.data: an empty path (give a file or directory, or leave it out)")
-        if isinstance(self.model, dict):
-            object.__setattr__(self, "model", GPTConfig(**self.model))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"TrainConfig: unknown keys {sorted(unknown)}")
-        return cls(**d)
-
-    def lr_at(self, step: int) -> float:
-        """Learning rate of 1-based ``step``: linear warmup, then cosine to ``lr * min_lr_ratio``."""
-        if step <= self.warmup:
-            return self.lr * step / self.warmup
-        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
-        ratio = self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        return self.lr * ratio
-
 
 def memory_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """Bytes per parameter of weights, gradients and optimizer states, from the live tensors.
