@@ -1,9 +1,10 @@
-"""``fp8sim demo``: the main job, end to end, in a few minutes on a CPU.
+"""``fp8sim demo``: the main job, end to end, in about a minute on a 2-core CPU.
 
 1. trains the byte-level GPT on the default corpus (the Python standard library's sources) with
    ``bf16`` and with an FP8 recipe (``te-delayed`` by default) on the ``torch`` backend, both
    recorded (the bf16 run through :func:`fp8sim.training.record`'s hooks, with the hypothetical
-   te-delayed casts), and the same FP8 recipe once more on the ``emulator`` backend;
+   te-delayed casts), and the same FP8 recipe once more on the ``emulator`` backend (its first
+   :data:`EMULATOR_STEPS` steps: the backends are compared over the steps both ran);
 2. checks the two backends: identical FP8 codes for every cast of step 1, loss curves within
    1e-3 relative;
 3. analyzes the FP8 trace (``fp8sim analyze``), replays scaling policies over it
@@ -36,6 +37,19 @@ REPLAY_POLICIES = (
     "static:scale=1",
 )
 
+#: the demo's sizes: (model, batch size, steps). "default" fits a minute on a quiet 2-core CPU
+#: (a batch of 8 x 64 bytes; CPU bfloat16 matmuls, the bf16 run's, are several times slower
+#: than float32 ones without bf16 matrix units); "full" is the model GPTConfig describes.
+SIZES = {
+    "quick": (dict(block_size=32, n_layer=1, n_head=2, n_embd=32), 4, 12),
+    "default": (dict(block_size=64, n_layer=2, n_head=4, n_embd=64), 8, 200),
+    "full": ({}, 16, 300),
+}
+#: steps of the emulator-backend run (the whole run when fewer): the backends agree step by step
+EMULATOR_STEPS = 50
+#: what a demo report folder holds; a rerun replaces these, and refuses a folder holding more
+REPORT_ENTRIES = ("runs", "traces", "plots", "summary.md", "summary.json", "analyze.json", ".fp8sim-demo")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -43,11 +57,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="train bf16 and FP8 on CPU, record, analyze, replay, compare; write a report folder",
         description=__doc__.splitlines()[0],
     )
-    p.add_argument("--out", default="demo-report", help="report folder (default %(default)s)")
-    p.add_argument("--steps", type=int, default=300, help="training steps per run (default %(default)s)")
+    p.add_argument("--out", default="demo-report",
+                   help="report folder (default %(default)s); a previous demo report there is replaced, "
+                        "a folder of other files refused")  # fmt: skip
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps per run (default {SIZES['default'][2]}; with --full {SIZES['full'][2]})")
     p.add_argument("--recipe", default="te-delayed", help="the FP8 recipe (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a tiny model and 12 steps (a smoke test)")
+    p.add_argument("--seed", type=int, default=0, help="seed of init and batches (default %(default)s)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a tiny model and 12 steps: a smoke test (seconds)")
+    size.add_argument("--full", action="store_true",
+                      help="the full-size model (context 128, batch 16, 300 steps): several minutes on 2 cores")
     p.add_argument("--json", action="store_true", help="print the measured figures as JSON")
     p.set_defaults(func=run)
 
@@ -72,13 +92,17 @@ def _cli_call(register_fn, argv: list[str]) -> str:
 def run_demo(
     out: str | os.PathLike,
     *,
-    steps: int = 300,
+    steps: int | None = None,
     recipe: str = "te-delayed",
     seed: int = 0,
-    quick: bool = False,
+    size: str = "default",
     progress: bool | None = None,
 ) -> dict:
-    """Run the demo into ``out``; returns the measured figures (also in ``summary.json``)."""
+    """Run the demo into ``out``; returns the measured figures (also in ``summary.json``).
+
+    ``size``: ``"quick"``, ``"default"`` or ``"full"`` (:data:`SIZES`); ``steps`` overrides its
+    step count. ``out`` must be new, empty, or a previous demo report (replaced: only the
+    entries in :data:`REPORT_ENTRIES` are removed). ``progress``: as :meth:`Trainer.run`."""
     import torch
 
     from fp8sim.analysis import commands as analysis_commands
@@ -94,20 +118,21 @@ def run_demo(
 
     if not get_recipe(recipe).is_fp8:
         raise ValueError(f"demo: --recipe must be an FP8 recipe, got {recipe!r}")
-    if steps < 10:
+    if size not in SIZES:
+        raise ValueError(f"demo: size must be one of {', '.join(SIZES)}, got {size!r}")
+    model_kw, batch_size, default_steps = SIZES[size]
+    steps = default_steps if steps is None else steps
+    quick = size == "quick"
+    if steps < 10 and not quick:
         raise ValueError(f"demo: --steps must be >= 10, got {steps}")
     out = Path(out)
-    if (out / "runs").exists():
-        raise ValueError(f"{out} already holds a demo; choose another --out or remove it")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out}: exists and is not an empty directory; the demo writes "
-                         "summary.md, summary.json, analyze.json and plots/ into a new one")  # fmt: skip
+    _clear_previous_report(out)
     t0 = time.perf_counter()
-    model = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32) if quick else GPTConfig()
-    if quick:
-        steps = 12
+    model = GPTConfig(**model_kw)
     base = dict(steps=steps, seed=seed, model=model, eval_every=max(10, steps // 6), eval_batches=4,
-                checkpoint_every=max(10, steps // 3), batch_size=4 if quick else 16)
+                checkpoint_every=max(10, steps // 3), batch_size=batch_size)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ".fp8sim-demo").write_text("a report of `fp8sim demo`: a rerun replaces it\n")
     corpus = load_corpus(max_bytes=(1 << 20) if quick else None)
     _msg(f"corpus {corpus.source}: {corpus.num_bytes:,} bytes from {corpus.num_files} files -> {out}")
 
@@ -119,6 +144,8 @@ def run_demo(
     for key, rec_name, backend in (("bf16", "bf16", "emulator"), ("fp8_torch", recipe, "torch"),
                                    ("fp8_emulator", recipe, "emulator")):
         cfg = TrainConfig(recipe=rec_name, backend=backend, **base)
+        # the emulator run: the same config (learning-rate schedule included), its first steps
+        stop = EMULATOR_STEPS if key == "fp8_emulator" and steps > EMULATOR_STEPS else None
         factory = None
         if key in traces:
             def factory(m, _t=traces[key], _c=cfg):  # noqa: E306
@@ -133,9 +160,9 @@ def run_demo(
                     _seen[name] = (op.codes.clone(), op.scale_inv.clone())
 
             trainer.fp8.taps.append(capture)
-        _msg(f"training {rec_name} on {backend} for {steps} steps")
+        _msg(f"training {rec_name} on {backend} for {stop or steps} steps" + (f" of {steps}" if stop else ""))
         ts = time.perf_counter()
-        trainer.run(progress=progress)
+        trainer.run(progress=progress, stop_after=stop)
         timings[key] = time.perf_counter() - ts
 
     # -- emulator vs torch ------------------------------------------------------------------
@@ -196,6 +223,32 @@ def run_demo(
                   format_replay_table(summary_rows(replays_bf16)), loss_png)
     _msg(f"wrote {out / 'summary.md'} ({fig['wall_s']} s)")
     return fig
+
+
+def _clear_previous_report(out: Path) -> None:
+    """Make ``out`` ready for a report: new, empty, or a previous demo report, whose own entries
+    are removed. Anything else is refused, and nothing is removed then."""
+    import shutil
+
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a directory")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not entries:
+        return
+    if ".fp8sim-demo" not in entries:
+        raise ValueError(f"--out {out}: exists and is not an empty directory or a demo report (it holds "
+                         f"{entries[0]!r}); the demo writes its report into a new one")  # fmt: skip
+    foreign = [e for e in entries if e not in REPORT_ENTRIES]
+    if foreign:
+        raise ValueError(f"--out {out}: a demo report that also holds {foreign[0]!r}, which the demo did not "
+                         "write; move it away, or choose another --out")  # fmt: skip
+    _msg(f"replacing the previous report in {out}")
+    for name in REPORT_ENTRIES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def _write_report(out, recipe, fig, vs_bf16, backends, analyze_text, replay_table, replay_bf16, loss_png) -> None:
@@ -273,7 +326,8 @@ def _write_report(out, recipe, fig, vs_bf16, backends, analyze_text, replay_tabl
 
 
 def run(args: argparse.Namespace) -> int:
-    fig = run_demo(args.out, steps=args.steps, recipe=args.recipe, seed=args.seed, quick=args.quick,
+    size = "quick" if args.quick else "full" if args.full else "default"
+    fig = run_demo(args.out, steps=args.steps, recipe=args.recipe, seed=args.seed, size=size,
                    progress=None if not args.json else False)
     if args.json:
         print(json.dumps(fig, indent=2, default=str))

@@ -286,17 +286,15 @@ class Trainer:
         """Train from the current step to ``cfg.steps`` (or through ``stop_after``, as if killed
         then); returns the summary (``{}`` on ranks > 0).
 
-        ``progress``: tqdm bar on stderr with loss and tokens/s (default: only on a terminal).
+        ``progress`` on stderr, rank 0 only: ``True`` a tqdm bar with loss and tokens/s, ``False``
+        nothing, ``None`` (default) the bar on a terminal and otherwise a line every
+        :data:`PROGRESS_LINE_S` seconds (and at the last step) -- a log file shows the run is alive.
         """
-        from tqdm import tqdm
-
         cfg = self.cfg
-        if progress is None:
-            progress = sys.stderr.isatty()
         last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         desc = f"{cfg.recipe}/{cfg.backend}" + (f" x{self.dp.world}" if self.dp is not None else "")
-        bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not (progress and self.rank == 0), desc=desc,
-                   unit="step", file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+        bar = _progress(progress and self.rank == 0 if progress is not None else (None if self.rank == 0 else False),
+                        total=cfg.steps, initial=self.start_step, desc=desc)  # fmt: skip
         t_start = time.perf_counter()
         summary = None
         done = self.start_step  # the last step whose records are whole
@@ -438,6 +436,45 @@ def _check_restart(out: Path, config: dict | None) -> None:
     diff = sorted(k for k, v in config.items() if old.get(k) != v)
     if diff:
         raise ValueError(f"--resume: {out} holds a run of another config (differs in {diff})")
+
+
+#: seconds between progress lines when stderr is not a terminal
+PROGRESS_LINE_S = 5.0
+
+
+class _ProgressLines:
+    """tqdm's ``update``/``set_postfix``/``close`` as a plain line on stderr every
+    :data:`PROGRESS_LINE_S` seconds and at the last step (for logs and pipes)."""
+
+    def __init__(self, total: int, initial: int, desc: str) -> None:
+        self.total, self.n, self.desc = total, initial, desc
+        self.t0 = self.last_print = time.monotonic()
+        self.postfix: dict = {}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix(self, **kw: Any) -> None:
+        self.postfix = kw
+        now = time.monotonic()
+        if now - self.last_print >= PROGRESS_LINE_S or self.n >= self.total:
+            self.last_print = now
+            extra = "".join(f", {k.replace('tok_s', 'tokens/s')} {v}" for k, v in kw.items())
+            print(f"{self.desc}: step {self.n}/{self.total}{extra} ({now - self.t0:.0f} s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(mode: bool | None, *, total: int, initial: int, desc: str):
+    """A tqdm bar (``True``, or ``None`` on a terminal), progress lines (``None`` otherwise), or
+    a silent bar (``False``)."""
+    from tqdm import tqdm
+
+    if mode is None and not sys.stderr.isatty():
+        return _ProgressLines(total, initial, desc)
+    return tqdm(total=total, initial=initial, disable=not mode and mode is not None, desc=desc, unit="step",
+                file=sys.stderr, dynamic_ncols=True)  # fmt: skip
 
 
 def write_metrics(out: Path, rows: list[dict]) -> None:
