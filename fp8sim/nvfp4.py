@@ -19,32 +19,35 @@ unless given), ``a`` a block's amax, ``b`` the block's decoded E4M3 scale, ``x``
     y = x * r
     stored: the amax A;  decode: value = e2m1 * ((b * A) * float32(1/2688))
 
-``torchao`` (``nvfp4_quantize`` with ``per_tensor_scale = per_tensor_amax_to_scale(A)`` in
-``torchao/prototype/mx_formats/nvfp4_tensor.py``)::
+``torchao`` (0.18: ``nvfp4_quantize`` with ``per_tensor_scale = per_tensor_amax_to_scale(A)``
+in ``torchao/prototype/mx_formats/nvfp4_tensor.py``)::
 
     P = A / 2688
     b = E4M3(clamp((a / 6) / P, 2**-6, 448))          (E4M3's smallest normal, never subnormal)
-    y = x / (P * b)
+    y = x * ((1 / P) / b)
     stored: P;  decode: value = e2m1 * (P * b)
 
-``torchao-block`` (the same file with ``per_tensor_scale=None``: one level)::
+``torchao-block`` (the same function with ``per_tensor_scale=None``: one level)::
 
-    b = E4M3(clamp(a / 6, 2**-6, 448));  y = x / b;  stored: 1;  decode: e2m1 * b
+    b = E4M3(clamp(a / 6, 2**-6, 448));  y = x * (1 / b);  stored: 1;  decode: e2m1 * b
+
+(torchao before 0.18 divided instead: ``y = x / (P * b)`` and ``y = x / b``.)
 
 ``compressed-tensors`` (``generate_gparam`` and ``calculate_qparams`` in
 ``compressed_tensors/quantization/utils/helpers.py``, ``_quantize`` in
 ``quantization/lifecycle/forward_helpers.py``)::
 
-    G = 2688 / max(A, 2**-126);  G = 1 if G is inf or NaN
+    G = 2688 * (1 / max(A, 2**-126));  G = 1 if G is inf or NaN   (torch's scalar / tensor)
     b = E4M3(clamp(G * (a / 6), -448, 448));  b = 0.125 if b == 0
-    y = x / (b / G)
+    y = x / (b / G)                                   (a y of -0 gets the code of +0)
     stored: G;  decode: value = e2m1 * (b / G)
 
 Where they differ: a zero block is scale 0 in ``te`` (its elements 0), ``2**-6`` in torchao,
 0.125 in compressed-tensors; an all-zero tensor makes torchao's ``P`` zero and every block scale
 NaN (``(0 / 6) / 0``), while ``te`` uses ``S = 1``; tiny block scales become E4M3 subnormals or
-0 in ``te`` and compressed-tensors but are clamped up to ``2**-6`` in torchao; ``te`` multiplies
-by a rounded reciprocal where the others divide, so codes differ near rounding boundaries.
+0 in ``te`` and compressed-tensors but are clamped up to ``2**-6`` in torchao; ``te`` and
+torchao multiply by differently rounded reciprocals and compressed-tensors divides, so codes
+differ near rounding boundaries.
 
 Blocks (``tile``) on the 2-D view ``(M, N)`` (last axis, product of the others): ``1x16``
 (along rows: activations, the forward GEMM's operands), ``16x1`` (along columns: the operand
@@ -132,7 +135,7 @@ def _check_amax(global_amax: Any) -> np.float32:
 def tensor_scale_for(global_amax: Any, variant: str = "te") -> np.float32:
     """The per-tensor float32 the variant stores for a tensor amax (module docstring): ``te``
     the amax itself, ``torchao`` ``P = A / 2688``, ``torchao-block`` 1, ``compressed-tensors``
-    ``G = 2688 / max(A, 2**-126)`` (1 if that is inf)."""
+    ``G = 2688 * (1 / max(A, 2**-126))`` (1 if that is inf)."""
     variant = check_variant(variant)
     a = _check_amax(global_amax)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
@@ -142,7 +145,7 @@ def tensor_scale_for(global_amax: Any, variant: str = "te") -> np.float32:
             return np.float32(a / _GLOBAL)
         if variant == "torchao-block":
             return np.float32(1.0)
-        g = np.float32(_GLOBAL / max(a, _F32_TINY))
+        g = np.float32(_GLOBAL * np.float32(np.float32(1.0) / max(a, _F32_TINY)))
     return g if np.isfinite(g) else np.float32(1.0)
 
 
@@ -287,12 +290,11 @@ def quantize_nvfp4_2d(
                 zero = b == 0
                 b = np.where(zero, _CT_ZERO_SCALE, b).astype(np.float32)
                 bcodes = np.where(zero, np.uint8(0x20), bcodes).astype(np.uint8)  # 0.125
-                div = b / tscale
-            elif variant == "torchao":
-                div = tscale * b
+                y = x2d / _expand(np.asarray(b / tscale, np.float32), tile, m, n)
             else:
-                div = b
-            y = x2d / _expand(np.asarray(div, np.float32), tile, m, n)
+                one = np.float32(1.0)
+                r = (one / tscale) / b if variant == "torchao" else one / b
+                y = x2d * _expand(np.asarray(r, np.float32), tile, m, n)
         y = np.asarray(y, dtype=np.float32)
     bad = nan_block | np.isnan(b)  # NaN input, or a NaN scale (torchao: 0 / 0)
     bcodes = np.where(bad, _E4M3_NAN, bcodes).astype(np.uint8)
@@ -300,6 +302,8 @@ def quantize_nvfp4_2d(
     if bad.any() or np.isnan(y).any():
         y = np.where(_expand(bad, tile, m, n) | np.isnan(y), np.float32(0), y)
     codes = encode(y, "e2m1", rounding=rounding, saturate=True, seed=seed, srbits=srbits)
+    if variant == "compressed-tensors":  # its cast takes the sign from torch.sign: +0 for -0
+        codes = np.where(y == 0, np.uint8(0), codes).astype(np.uint8)
     return NVFP4Parts(codes=codes, block_codes=bcodes, block_scale=b, tensor_scale=tscale,
                       global_amax=ga, block_amax=amax, nan_count=int(nans.sum()))  # fmt: skip
 
