@@ -81,6 +81,8 @@ __all__ = [
     "check_variant",
     "check_layout",
     "tensor_scale_for",
+    "block_scales",
+    "cast_multiplier",
     "block_decode_scale",
     "gemm_alpha",
     "quantize_nvfp4_2d",
@@ -157,6 +159,53 @@ def _te_encode_scale(amax: np.float32) -> np.float32:
     if amax == 0 or s == 0:
         s = np.float32(1.0)
     return s
+
+
+def block_scales(block_amax: Any, global_amax: Any, variant: str = "te") -> tuple[np.ndarray, np.ndarray]:
+    """(E4M3 codes uint8, decoded float32) of the block scales for float32 block amaxes under a
+    tensor amax (module docstring). A NaN block amax (a block holding a NaN) gives code 0x7F."""
+    variant = check_variant(variant)
+    amax = np.asarray(block_amax, dtype=np.float32)
+    ga = _check_amax(global_amax)
+    t = tensor_scale_for(ga, variant)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        if variant == "te":
+            pre = np.minimum(amax * np.float32(_te_encode_scale(ga) * _RCP_6), _F32_MAX)
+        elif variant == "compressed-tensors":
+            pre = np.clip(t * (amax / _E2M1_MAX), -_E4M3_MAX, _E4M3_MAX)
+        elif variant == "torchao":
+            pre = np.clip((amax / _E2M1_MAX) / t, _E4M3_MIN_NORMAL, _E4M3_MAX)
+        else:
+            pre = np.clip(amax / _E2M1_MAX, _E4M3_MIN_NORMAL, _E4M3_MAX)
+    nan = np.isnan(pre)
+    codes = encode(np.where(nan, np.float32(0), pre).astype(np.float32), "e4m3", rounding="rne",
+                   saturate=True)  # fmt: skip
+    if variant == "compressed-tensors":
+        codes = np.where(codes == 0, np.uint8(0x20), codes)  # a zero scale becomes 0.125
+    codes = np.where(nan, _E4M3_NAN, codes).astype(np.uint8)
+    return codes, decode(codes, "e4m3", dtype=np.float32)
+
+
+def cast_multiplier(block_scale: Any, global_amax: Any, variant: str = "te") -> np.ndarray:
+    """Per block, the float32 ``r`` of the element cast ``y = float32(x * r)``: ``te``
+    ``min(1 / (b * (1 / S)), f32max)``, ``torchao`` ``(1 / P) / b``, ``torchao-block`` ``1 / b``.
+    compressed-tensors divides (``y = x / (b / G)``, not a product with a rounded reciprocal):
+    ValueError."""
+    variant = check_variant(variant)
+    if variant == "compressed-tensors":
+        raise ValueError("cast_multiplier: compressed-tensors divides by b / G; no multiplier")
+    b = np.asarray(block_scale, dtype=np.float32)
+    ga = _check_amax(global_amax)
+    one = np.float32(1.0)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        if variant == "te":
+            s_dec = np.float32(one / _te_encode_scale(ga))
+            r = np.minimum(one / (b * s_dec).astype(np.float32), _F32_MAX)
+        elif variant == "torchao":
+            r = (one / tensor_scale_for(ga, variant)) / b
+        else:
+            r = one / b
+    return np.asarray(r, dtype=np.float32)
 
 
 def block_decode_scale(block_scale: Any, tensor_scale: Any, variant: str = "te") -> np.ndarray:
@@ -268,33 +317,12 @@ def quantize_nvfp4_2d(
     else:
         ga = _check_amax(global_amax)
     tscale = tensor_scale_for(ga, variant)
+    bcodes, b = block_scales(np.where(nan_block, np.float32(np.nan), amax), ga, variant)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
-        if variant == "te":
-            s_enc = _te_encode_scale(ga)
-            d = np.minimum((amax * np.float32(s_enc * _RCP_6)).astype(np.float32), _F32_MAX)
-            bcodes = encode(d, "e4m3", rounding="rne", saturate=True)
-            b = decode(bcodes, "e4m3", dtype=np.float32)
-            s_dec = np.float32(np.float32(1.0) / s_enc)
-            r = np.minimum(np.float32(1.0) / (b * s_dec).astype(np.float32), _F32_MAX)
-            y = x2d * _expand(r.astype(np.float32), tile, m, n)
+        if variant == "compressed-tensors":
+            y = x2d / _expand((b / tscale).astype(np.float32), tile, m, n)
         else:
-            if variant == "compressed-tensors":
-                pre = np.clip(tscale * (amax / _E2M1_MAX), -_E4M3_MAX, _E4M3_MAX)
-            elif variant == "torchao":
-                pre = np.clip((amax / _E2M1_MAX) / tscale, _E4M3_MIN_NORMAL, _E4M3_MAX)
-            else:
-                pre = np.clip(amax / _E2M1_MAX, _E4M3_MIN_NORMAL, _E4M3_MAX)
-            bcodes = encode(pre.astype(np.float32), "e4m3", rounding="rne", saturate=True)
-            b = decode(bcodes, "e4m3", dtype=np.float32)
-            if variant == "compressed-tensors":
-                zero = b == 0
-                b = np.where(zero, _CT_ZERO_SCALE, b).astype(np.float32)
-                bcodes = np.where(zero, np.uint8(0x20), bcodes).astype(np.uint8)  # 0.125
-                y = x2d / _expand(np.asarray(b / tscale, np.float32), tile, m, n)
-            else:
-                one = np.float32(1.0)
-                r = (one / tscale) / b if variant == "torchao" else one / b
-                y = x2d * _expand(np.asarray(r, np.float32), tile, m, n)
+            y = x2d * _expand(cast_multiplier(b, ga, variant), tile, m, n)
         y = np.asarray(y, dtype=np.float32)
     bad = nan_block | np.isnan(b)  # NaN input, or a NaN scale (torchao: 0 / 0)
     bcodes = np.where(bad, _E4M3_NAN, bcodes).astype(np.uint8)
