@@ -71,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scaling",
         default="tensor",
-        help="comma-separated: none, tensor, row, col, block:RxC, mx, mx:rceil (default tensor)",
+        help="comma-separated: none, tensor, row, col, block:RxC, mx, mx:rceil, "
+             "nvfp4[:16x1|:2d][:torchao|:torchao-block] (always e2m1) (default tensor)",
     )
     p.add_argument("--margin", type=float, default=0.0, help="scale headroom in binades (default 0)")
     p.add_argument("--pow2", action="store_true", help="round scales down to powers of two")

@@ -22,6 +22,14 @@ Arithmetic, for each output element, K in increasing order (fixed, reproducible)
   are applied at each promotion with one rounding, as DeepGEMM's fused multiply-add:
   ``acc = float32(acc + float32(sA * sB) * partial)``.
 
+NVFP4 operands (:func:`gemm` of two ``nvfp4`` :class:`~fp8sim.scaling.ScaledTensor`): A's
+blocks must run along K (``nvfp4`` 1x16 or ``nvfp4:2d``), B's too (``nvfp4:16x1`` or
+``nvfp4:2d`` on B's ``(K, N)`` view); the decoded E4M3 block scales are the varying scales above
+(16-element segments: the E2M1 products and their sums are exact in float32, as are the scale
+products, so the only roundings are the float32 accumulation and the epilogue), and the
+per-tensor scales give ``alpha`` (:func:`fp8sim.nvfp4.gemm_alpha`): ``C = float32(acc * alpha)``,
+as Transformer Engine's reference NVFP4 GEMM does.
+
 :data:`HOPPER_FP8` holds the reduced-precision settings as we model them (13 stored bits, i.e.
 14 significant, truncated; promotion every 128). The float64 matmul of the dequantized operands
 is the reference the tests hold this to.
@@ -38,6 +46,7 @@ import numpy as np
 from fp8sim._numba.jit import jit_kernel, jit_scalar
 from fp8sim.emulator import decode
 from fp8sim.formats import FloatFormat, get_format
+from fp8sim.nvfp4 import gemm_alpha
 from fp8sim.scaling import Granularity, ScaledTensor, parse_granularity
 
 __all__ = ["ACC_ROUNDINGS", "HOPPER_FP8", "scaled_gemm", "gemm"]
@@ -147,9 +156,10 @@ def _scales(
         raise ValueError(
             f"scaled_gemm: {what} scale_inv has shape {arr.shape}, {gran.spec} needs {want}"
         )
-    if np.any(arr <= 0) or np.any(np.isinf(arr)):
+    if np.any(arr < 0) or np.any(np.isinf(arr)):
         raise ValueError(
-            f"scaled_gemm: {what} scale_inv must be finite and > 0 (NaN marks an MX NaN block)"
+            f"scaled_gemm: {what} scale_inv must be finite and > 0, or 0 for an all-zero block "
+            "(NaN marks a NaN block)"
         )
     r, c = gran.tile(rows, cols)
     return np.ascontiguousarray(arr.reshape(grid)), r, c
@@ -180,6 +190,7 @@ def scaled_gemm(
     acc_bits: int = 23,
     acc_rounding: str = "rne",
     k_chunk: int | None = None,
+    alpha: Any = None,
     out_dtype: Any = np.float32,
 ) -> np.ndarray:
     """``(decode(A) * sA) @ (decode(B) * sB)`` with the accumulation rules of the module docstring.
@@ -187,7 +198,8 @@ def scaled_gemm(
     ``a_codes`` (M, K) and ``b_codes`` (K, N) are code arrays (numpy or CPU torch). A missing
     granularity is inferred from the scale's shape: one element -> tensor, ``(M, 1)`` -> row of
     A, ``(1, N)`` -> col of B; blocks must be named. ``acc_bits`` in 1..23, ``acc_rounding`` in
-    :data:`ACC_ROUNDINGS`, ``k_chunk`` >= 1 or None. Returns ``(M, N)`` in ``out_dtype``
+    :data:`ACC_ROUNDINGS`, ``k_chunk`` >= 1 or None. ``alpha``: a float32 epilogue factor,
+    ``C = float32(C * alpha)`` after everything else (None: none). Returns ``(M, N)`` in ``out_dtype``
     (float32 default; other dtypes are cast from the float32 result).
     """
     a, b = _codes(a_codes, "a_codes"), _codes(b_codes, "b_codes")
@@ -252,6 +264,9 @@ def scaled_gemm(
         native32,
         out,
     )
+    if alpha is not None:
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+            out = (out * np.float32(alpha)).astype(np.float32)
     return out if np.dtype(out_dtype) == np.float32 else out.astype(out_dtype)
 
 
@@ -259,6 +274,20 @@ def gemm(a: ScaledTensor, b: ScaledTensor, **kwargs: Any) -> np.ndarray:
     """:func:`scaled_gemm` of two :class:`~fp8sim.scaling.ScaledTensor` (A (M, K), B (K, N))."""
     if len(a.shape) != 2 or len(b.shape) != 2:
         raise ValueError(f"gemm: operands must be 2-D, got {a.shape} and {b.shape}")
+    ga, gb = parse_granularity(a.granularity), parse_granularity(b.granularity)
+    if "nvfp4" in (ga.kind, gb.kind):
+        if ga.kind != gb.kind or ga.variant != gb.variant:
+            raise ValueError(f"gemm: NVFP4 operands must both be NVFP4 of one variant, got "
+                             f"{a.granularity} and {b.granularity}")  # fmt: skip
+        if ga.block[1] != 16 or gb.block[0] != 16:
+            raise ValueError(f"gemm: NVFP4 blocks must run along K: A nvfp4 or nvfp4:2d, B "
+                             f"nvfp4:16x1 or nvfp4:2d, got {a.granularity} and {b.granularity}")  # fmt: skip
+        if "alpha" in kwargs:
+            raise ValueError("gemm: NVFP4 operands set alpha from their tensor scales")
+        return scaled_gemm(a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv,
+                           a_granularity=f"block:{ga.block[0]}x{ga.block[1]}",
+                           b_granularity=f"block:{gb.block[0]}x{gb.block[1]}",
+                           alpha=gemm_alpha(a.tensor_scale, b.tensor_scale, ga.variant), **kwargs)  # fmt: skip
     return scaled_gemm(
         a.codes,
         a.fmt,

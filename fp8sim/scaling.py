@@ -12,6 +12,10 @@ granularity            tile          scale / amax array shape
 ``block:RxC``          ``(R, C)``    ``(ceil(M/R), ceil(N/C))``, e.g. ``block:1x128``,
                                      ``block:128x128`` (DeepSeek-V3)
 ``mx``, ``mx:rceil``   ``(1, 32)``   ``(M, ceil(N/32))``, E8M0 shared scales (OCP MX)
+``nvfp4[:L][:V]``      ``(1, 16)``   ``(M, ceil(N/16))``: E4M3 block scales and a float32
+                                     tensor scale (:mod:`fp8sim.nvfp4`); ``L`` = ``1x16``
+                                     (default), ``16x1``, ``16x16`` / ``2d``; ``V`` = te
+                                     (default), torchao, torchao-block, compressed-tensors
 =====================  ============  =====================================================
 
 Ragged edges: a tile that runs past the array is cut at its edge ("padded logically"); nothing
@@ -37,6 +41,9 @@ Cast (``quantize_scaled``): ``codes = encode(float32(float32(x) * scale))`` -- t
 to float32 first and the product rounded once to float32, as a GPU kernel does -- then encoded
 with the chosen rounding and overflow rule. ``scale_inv = float32(1 / scale)`` (MX: ``X``) and
 ``dequantize`` returns ``decode(codes) * scale_inv`` rounded once to float32.
+
+NVFP4 (``nvfp4...`` granularities, format e2m1): the two-level rules of :mod:`fp8sim.nvfp4`;
+``scale_inv`` holds the decoded E4M3 block scales and ``tensor_scale`` the per-tensor float32.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ from fp8sim._numba.bitcast import bits_f32, f32_bits
 from fp8sim._numba.jit import jit_scalar, jit_serial
 from fp8sim.emulator import as_float_array, decode, encode
 from fp8sim.formats import FloatFormat, get_format
+from fp8sim.nvfp4 import (NVFP4_LAYOUTS, check_layout, check_variant, dequantize_nvfp4_2d,
+                          quantize_nvfp4_2d)  # fmt: skip
 
 __all__ = [
     "GRANULARITY_KINDS",
@@ -72,7 +81,7 @@ __all__ = [
     "dequantize",
 ]
 
-GRANULARITY_KINDS = ("tensor", "row", "col", "block", "mx")
+GRANULARITY_KINDS = ("tensor", "row", "col", "block", "mx", "nvfp4")
 MX_BLOCK = 32
 MX_RULES = ("floor", "rceil")
 _E8M0_EMIN, _E8M0_EMAX = -127, 127
@@ -91,11 +100,13 @@ class Granularity:
         kind: one of :data:`GRANULARITY_KINDS`.
         block: ``(R, C)`` tile for ``block``; ``(1, 32)`` for ``mx``; None otherwise.
         mx_rule: ``"floor"`` or ``"rceil"`` for ``mx``; None otherwise.
+        variant: the NVFP4 variant (:data:`fp8sim.nvfp4.NVFP4_VARIANTS`) for ``nvfp4``; else None.
     """
 
     kind: str
     block: tuple[int, int] | None = None
     mx_rule: str | None = None
+    variant: str | None = None
 
     @property
     def spec(self) -> str:
@@ -104,6 +115,9 @@ class Granularity:
             return f"block:{self.block[0]}x{self.block[1]}"
         if self.kind == "mx":
             return "mx" if self.mx_rule == "floor" else f"mx:{self.mx_rule}"
+        if self.kind == "nvfp4":
+            lay = {(1, 16): "", (16, 1): ":16x1", (16, 16): ":2d"}[self.block]
+            return f"nvfp4{lay}" + ("" if self.variant == "te" else f":{self.variant}")
         return self.kind
 
     def __str__(self) -> str:
@@ -138,7 +152,9 @@ _MAX_BLOCK = 1 << 62  # block sides fit int64 (a block larger than the tensor is
 
 def parse_granularity(spec: str | Granularity) -> Granularity:
     """Parse ``"tensor"``, ``"row"``, ``"col"``, ``"block:RxC"``, ``"mx"``, ``"mx:floor"``,
-    ``"mx:rceil"``. Raises ValueError naming the valid spellings; block sizes must be >= 1."""
+    ``"mx:rceil"``, ``"nvfp4[:LAYOUT][:VARIANT]"`` (layout 1x16, 16x1, 16x16 or 2d; variant te,
+    torchao, torchao-block, compressed-tensors or ct). Raises ValueError naming the valid
+    spellings; block sizes must be >= 1."""
     if isinstance(spec, Granularity):
         return spec
     if not isinstance(spec, str):
@@ -150,6 +166,13 @@ def parse_granularity(spec: str | Granularity) -> Granularity:
         return Granularity("mx", (1, MX_BLOCK), "floor")
     if key == "mx:rceil":
         return Granularity("mx", (1, MX_BLOCK), "rceil")
+    if key == "nvfp4" or key.startswith("nvfp4:"):
+        parts = key.split(":")[1:]
+        lay = parts.pop(0) if parts and parts[0] in (*NVFP4_LAYOUTS, "2d") else "1x16"
+        if len(parts) > 1:
+            raise ValueError(f"granularity {spec!r}: nvfp4[:LAYOUT][:VARIANT] has at most two parts")
+        block = check_layout("16x16" if lay == "2d" else lay)
+        return Granularity("nvfp4", block, variant=check_variant(parts[0] if parts else "te"))
     match = _BLOCK_RE.match(key)
     if match:
         r, c = int(match.group(1)), int(match.group(2))
@@ -159,7 +182,8 @@ def parse_granularity(spec: str | Granularity) -> Granularity:
         return Granularity("block", (r, c))
     raise ValueError(
         f"unknown granularity {spec!r}; valid: tensor, row, col, block:RxC (R, C >= 1, e.g. "
-        "block:1x128, block:128x128), mx, mx:floor, mx:rceil"
+        "block:1x128, block:128x128), mx, mx:floor, mx:rceil, "
+        "nvfp4[:1x16|:16x1|:16x16|:2d][:te|:torchao|:torchao-block|:compressed-tensors]"
     )
 
 
@@ -379,6 +403,11 @@ class ScaledTensor:
         amax: the amax per group the scales came from (float32, NaN ignored except for MX),
             None when the caller gave the scale.
         nan_count: number of NaN inputs.
+        tensor_scale: NVFP4 only: the per-tensor float32 the variant stores
+            (:func:`fp8sim.nvfp4.tensor_scale_for`); ``scale_inv`` then holds the decoded E4M3
+            block scales and ``value = decode(code) * block_decode_scale(scale_inv,
+            tensor_scale)``. None for every other granularity.
+        global_amax: NVFP4 only: the tensor amax the tensor scale came from.
     """
 
     codes: np.ndarray
@@ -388,6 +417,8 @@ class ScaledTensor:
     shape: tuple[int, ...]
     amax: np.ndarray | None = None
     nan_count: int = 0
+    tensor_scale: np.float32 | None = None
+    global_amax: np.float32 | None = None
 
     def dequantize(self, dtype: Any = np.float32) -> np.ndarray:
         """See :func:`dequantize`."""
@@ -395,10 +426,13 @@ class ScaledTensor:
 
     @property
     def scale_inv_codes(self) -> np.ndarray:
-        """The E8M0 codes of an MX tensor's scales (uint8; 0xFF for a NaN block)."""
-        if parse_granularity(self.granularity).kind != "mx":
+        """The scale codes (uint8): E8M0 for MX (0xFF for a NaN block), E4M3 for NVFP4 (0x7F)."""
+        kind = parse_granularity(self.granularity).kind
+        if kind == "nvfp4":
+            return encode(self.scale_inv, "e4m3")  # exact: the values are E4M3's
+        if kind != "mx":
             raise ValueError(
-                f"scale_inv_codes: only MX tensors have E8M0 scales, not {self.granularity}"
+                f"scale_inv_codes: only MX and NVFP4 tensors have coded scales, not {self.granularity}"
             )
         return e8m0_codes(self.scale_inv)
 
@@ -441,6 +475,7 @@ def quantize_scaled(
     saturate: bool = True,
     seed: int | None = None,
     srbits: int | None = None,
+    global_amax: Any = None,
 ) -> ScaledTensor:
     """Cast ``x`` to ``fmt`` with one scale per group: ``encode(float32(float32(x) * scale))``.
 
@@ -455,6 +490,11 @@ def quantize_scaled(
 
     ``rounding``, ``saturate``, ``seed``, ``srbits`` go to :func:`fp8sim.encode` (stochastic
     counter = flat C-order index of ``x``). Returns numpy arrays even for torch inputs.
+
+    ``nvfp4`` granularities (``fmt`` must be e2m1): the variant's two-level rules
+    (:func:`fp8sim.nvfp4.quantize_nvfp4_2d`); ``global_amax`` (NVFP4 only) replaces the tensor
+    amax the per-tensor scale comes from; ``scale``, ``margin``, ``pow2``, ``epsilon`` and
+    ``saturate=False`` do not apply.
     """
     fmt = get_format(fmt)
     gran = parse_granularity(granularity)
@@ -462,6 +502,17 @@ def quantize_scaled(
     shape = tuple(x32.shape)
     m, n = view2d(shape)
     x2d = x32.reshape(m, n)
+    if gran.kind == "nvfp4":
+        if fmt.name != "e2m1" or scale is not None or margin != 0 or pow2 or epsilon != 0 or not saturate:
+            raise ValueError("quantize_scaled: nvfp4 needs fmt='e2m1' and takes no scale, margin, "
+                             "pow2, epsilon or saturate=False (global_amax= sets the tensor scale)")  # fmt: skip
+        p = quantize_nvfp4_2d(x2d, gran.block, gran.variant, global_amax=global_amax,
+                              rounding=rounding, seed=seed, srbits=srbits)  # fmt: skip
+        return ScaledTensor(p.codes.reshape(shape), p.block_scale, fmt, gran.spec, shape,
+                            amax=p.block_amax, nan_count=p.nan_count, tensor_scale=p.tensor_scale,
+                            global_amax=p.global_amax)  # fmt: skip
+    if global_amax is not None:
+        raise ValueError("quantize_scaled: global_amax is for nvfp4 granularities only")
     grid2d = gran.grid2d(m, n)
     is_mx = gran.kind == "mx"
     if is_mx and (margin != 0 or pow2 or epsilon != 0):
@@ -507,12 +558,17 @@ def dequantize(st: ScaledTensor, dtype: Any = np.float32) -> np.ndarray:
     """``decode(codes) * scale_inv`` per element: exact in float64, rounded once for float32.
 
     Other dtypes (float16, bfloat16) are cast from the float32 result, as a GPU kernel that
-    computes in float32 does. NaN scales (MX) make their whole block NaN; an infinite
+    computes in float32 does. NVFP4: ``float32(e2m1 * factor)`` with the variant's per-block
+    factor (:func:`fp8sim.nvfp4.block_decode_scale`), for every dtype (float64 widens it). NaN scales (MX) make their whole block NaN; an infinite
     scale_inv (a scale that underflowed to 0) makes its zeros NaN (0 x inf) and the rest inf.
     """
     dtype = np.dtype(dtype)
     gran = parse_granularity(st.granularity)
     m, n = view2d(st.shape)
+    if gran.kind == "nvfp4":  # float32 arithmetic as the variant's library does it
+        out32 = dequantize_nvfp4_2d(st.codes.reshape(m, n), st.scale_inv, st.tensor_scale,
+                                    gran.block, gran.variant).reshape(st.shape)  # fmt: skip
+        return out32 if dtype == np.float32 else out32.astype(dtype)
     values = decode(st.codes, st.fmt, dtype=np.float64).reshape(m, n)
     with np.errstate(invalid="ignore"):  # 0 x inf
         out = values * _expand(np.asarray(st.scale_inv, np.float64), gran, m, n)

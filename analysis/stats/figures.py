@@ -17,6 +17,13 @@ For each requested (format, scaling) -- a *variant* -- the figures are those of 
 Scalings: ``none`` (scale 1: a plain cast) or any :func:`fp8sim.scaling.parse_granularity` spec
 (``tensor``, ``row``, ``col``, ``block:RxC``, ``mx``, ``mx:rceil``), just in time from each group's
 amax with ``scale_from_amax`` / ``mx_shared_scale`` -- the scaling module's own functions.
+NVFP4 scalings (``nvfp4``, ``nvfp4:16x1``, ``nvfp4:2d``, with the ``te``, ``torchao`` or
+``torchao-block`` rules of :mod:`fp8sim.nvfp4`) always use the e2m1 format, whatever the formats
+asked: each block's cast is ``x * cast_multiplier`` and its dequantization ``e2m1 *
+block_decode_scale``, from the block amaxes and the tensor amax (NaN skipped, inf kept) -- the
+NVFP4 module's own functions. A block whose E4M3 scale rounds to 0 counts its nonzero values as
+underflow (Transformer Engine writes saturated codes there, which its scale 0 turns into 0), a
+block holding a NaN as lost. compressed-tensors' rule divides and is not offered here.
 
 Passes, per chunk of the flat tensor (bounded memory, files read lazily): pass A (only when a
 variant scales just in time) is one numba pass computing the tensor's amax and every requested
@@ -46,6 +53,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from fp8sim.formats import FloatFormat, get_format
+from fp8sim.nvfp4 import block_decode_scale, block_scales, cast_multiplier, tensor_scale_for
 from fp8sim.scaling import Granularity, mx_shared_scale, parse_granularity, scale_from_amax
 from fp8sim.scaling import view2d
 from fp8sim.analysis.stats.blocks import HIGH_EXP, N_LOG2
@@ -119,13 +127,23 @@ def parse_variants(
         _check_format(fmt)
         for s in scalings:
             s = s.strip().lower()
+            vfmt = fmt
             if s != "none":
                 g = parse_granularity(s)
                 s = g.spec
                 if g.kind == "mx" and (margin or pow2):
                     raise ValueError("margin/pow2 do not apply to mx scaling (E8M0 rule)")
-            v = Variant(fmt, s, float(margin), bool(pow2))
-            if all((o.fmt.name, o.scaling) != (fmt.name, s) for o in out):  # e4m3 = e4m3fn
+                if g.kind == "nvfp4":
+                    if margin or pow2:
+                        raise ValueError("margin/pow2 do not apply to nvfp4 scaling (E4M3 block "
+                                         "scales)")  # fmt: skip
+                    if g.variant == "compressed-tensors":
+                        raise ValueError("nvfp4 compressed-tensors scaling is not offered in "
+                                         "analysis (its cast divides); use te, torchao or "
+                                         "torchao-block")  # fmt: skip
+                    vfmt = get_format("e2m1")  # NVFP4 is E2M1 whatever the formats asked
+            fmt_k, v = vfmt, Variant(vfmt, s, float(margin), bool(pow2))
+            if all((o.fmt.name, o.scaling) != (fmt_k.name, s) for o in out):  # e4m3 = e4m3fn
                 out.append(v)
     return out
 
@@ -399,6 +417,8 @@ def tensor_stats(
     for k, g in enumerate(grans):
         if g.kind == "tensor":  # the finite amax, NaN skipped; an inf counts (as quantize_scaled)
             g_amax[k][0] = np.uint32(0x7F800000) if counts[1] else np.uint32(amax_bits)
+    # NVFP4's tensor amax, as quantize_scaled takes it (NaN skipped, an inf counts)
+    tensor_amax = np.float32(np.inf) if counts[1] else np.uint32(amax_bits).view(np.float32)
 
     # ---- pass B, with each chunk's scales from the scaling module's own rules ----
     # (scales are made per chunk, for the grid rows the chunk touches: an MX scale grid of a
@@ -413,13 +433,19 @@ def tensor_stats(
             sinv = mx_shared_scale(a, v.fmt, v.granularity.mx_rule)
             with np.errstate(invalid="ignore", divide="ignore"):
                 return (np.float32(1) / sinv).astype(np.float32), sinv
+        if v.granularity.kind == "nvfp4":
+            var = v.granularity.variant
+            a = np.where(g_nan[gi][lo:hi], np.float32(np.nan), gam).astype(np.float32)
+            _, b = block_scales(a, tensor_amax, var)
+            mult = np.where(b == 0, np.float32(0), cast_multiplier(b, tensor_amax, var))
+            return mult.astype(np.float32), block_decode_scale(b, tensor_scale_for(tensor_amax, var), var)
         mult = scale_from_amax(gam, v.fmt, margin=v.margin, pow2=v.pow2).reshape(-1)
         with np.errstate(divide="ignore"):  # a scale that underflowed to 0: scale_inv inf
             return mult, (np.float32(1) / mult).astype(np.float32)
 
     for k, v in enumerate(variants):  # MX groups whose scale is NaN (a NaN or inf): lost values
         gi, step = shapes[k][3], 1 << 22  # the scale rule itself, a slice of the grid at a time
-        if gi >= 0 and v.granularity.kind == "mx":
+        if gi >= 0 and v.granularity.kind in ("mx", "nvfp4"):
             vint[k, 10] = any(np.isnan(chunk_scales(v, gi, i, i + step)[1]).any()
                               for i in range(0, g_amax[gi].size, step))  # fmt: skip
     whole_scales = {}  # variants with one scale for the whole tensor: computed once
