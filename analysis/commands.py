@@ -39,11 +39,11 @@ ANALYZE_EPILOG = """\
 table, one row per tensor x format x scaling, worst first:
   status     critical: any value overflows, or underflow >= --underflow-critical (2%);
              warning: underflow >= --underflow-warning (0.5%), or NaN/inf present, or MX blocks
-             lost to a NaN scale; ok: otherwise
+             lost to a NaN scale, or values clamped by the MX floor rule; ok: otherwise
   amax       max |x| (inf: a value beyond float32's range)
   scale      the multiplier applied before the cast (the smallest one for row/block/MX)
   overflow   finite values whose scaled magnitude rounds above the format's max, with their
-             share of the finite values
+             share of the finite values ("clamped": by the MX floor rule, as the spec intends)
   underflow  nonzero finite values that become 0, with their share of the nonzero values
   subnormal  values that land in the format's subnormal range
   sqnr_db    signal-to-quantization-noise ratio in dB (exact: no error; -inf: an error that is

@@ -2,7 +2,10 @@
 
 Classes (defaults, per tensor x format x scaling record): ``critical`` if any value overflows or
 the underflow share reaches 2%; ``warning`` from 0.5% underflow, or when NaN/inf are present or
-MX blocks were lost to a NaN scale; ``ok`` otherwise. Shares: overflow of the finite values,
+MX blocks were lost to a NaN scale, or values were clamped by the MX floor rule; ``ok`` otherwise.
+Under ``mx`` (the OCP MX spec's scale rule, ``2**(floor(log2 amax) - emax)``) a block's largest
+values can scale above the format's max: the spec clamps them to it by design, so they are
+reported as *clamped* (a warning), not as overflow (``mx:rceil`` rounds the scale up instead). Shares: overflow of the finite values,
 underflow of the nonzero finite values (the ``*_pct`` record fields).
 
 ``--fail-on`` rules: comma-separated ``METRIC OP VALUE[%]`` with OP in ``> >= < <=``; METRIC one
@@ -23,6 +26,7 @@ from typing import Any, Callable, Sequence
 __all__ = [
     "Thresholds",
     "classify",
+    "clamped_by_mx_floor",
     "sort_worst_first",
     "sqnr_value",
     "format_table",
@@ -79,11 +83,18 @@ class Thresholds:
             raise ValueError(f"overflow_critical must be >= 1, got {self.overflow_critical}")
 
 
+def clamped_by_mx_floor(rec: dict[str, Any]) -> bool:
+    """Whether a record's overflow is the MX floor rule's expected clamping (scaling ``mx``)."""
+    return rec.get("scaling") in ("mx", "mx:floor") and bool(rec["overflow"])
+
+
 def classify(rec: dict[str, Any], th: Thresholds = Thresholds()) -> str:
     """``ok`` / ``warning`` / ``critical`` of one record (see the module docstring)."""
-    if rec["overflow"] >= th.overflow_critical or rec["underflow_pct"] >= th.underflow_critical:
+    clamped = clamped_by_mx_floor(rec)
+    if (rec["overflow"] >= th.overflow_critical and not clamped) or rec["underflow_pct"] >= th.underflow_critical:
         return "critical"
-    if rec["underflow_pct"] >= th.underflow_warning or rec["nan"] or rec["inf"] or rec.get("lost"):
+    if (rec["underflow_pct"] >= th.underflow_warning or rec["nan"] or rec["inf"] or rec.get("lost")
+            or clamped):  # fmt: skip
         return "warning"
     return "ok"
 
@@ -217,7 +228,7 @@ def format_table(records: list[dict[str, Any]], *, limit: int | None = None) -> 
                 str(r["numel"]),
                 _num(math.inf if r["amax"] is None else r["amax"]),  # null: inf (see FailRule)
                 _num(r["scale"]),
-                _pct(r["overflow"], r["overflow_pct"]),
+                ("clamped " if clamped_by_mx_floor(r) else "") + _pct(r["overflow"], r["overflow_pct"]),
                 _pct(r["underflow"], r["underflow_pct"]),
                 _pct(r["subnormal"], r["subnormal_pct"]),
                 _sqnr_cell(r),
@@ -227,6 +238,9 @@ def format_table(records: list[dict[str, Any]], *, limit: int | None = None) -> 
             nan, inf = r.get("nan", 0), r.get("inf", 0)
             rows[-1].insert(7, f"{nan}/{inf}" if nan or inf else "-")
     text = text_table(headers, rows, right=set(range(4, len(headers))))
+    if any(clamped_by_mx_floor(r) for r in shown):
+        text += ("\nclamped: under mx (the OCP MX floor rule) a block's largest values can scale above the "
+                 "format's max; the spec clamps them to it by design (mx:rceil rounds the scale up instead)")
     if limit is not None and len(records) > limit:
         text += f"\n... {len(records) - limit} more (use --top 0 for all, or --json)"
     return text

@@ -367,3 +367,20 @@ def test_plot_labels_take_names_literally(tmp_path):
         plot_heatmap(tmp_path / "h.png", "x \x1b[31m $\\frac{$", ["a\x1bb", "$\\frac{x$", "n\nl"],
                      np.arange(3), np.ones((3, 3)))  # fmt: skip
     assert (tmp_path / "h.png").stat().st_size > 0
+
+
+def test_mx_floor_rule_clamping_is_reported_as_clamping_not_overflow(tmp_path, capsys):
+    """One 32-block with amax 480: the OCP floor rule gives X = 2^(floor(log2 480) - 8) = 1, so 480
+    lands above E4M3's 448 and the spec clamps it (by hand: 1 value); mx:rceil's X = 2 keeps it."""
+    x = np.ones(64, np.float32)
+    x[5] = 480.0
+    np.save(tmp_path / "x.npy", x)
+    rc, out, _ = run(capsys, "analyze", str(tmp_path / "x.npy"), "--format", "e4m3", "--scaling", "mx,mx:rceil",
+                     "--json", str(tmp_path / "r.json"))  # fmt: skip
+    assert rc == 0
+    recs = {r["scaling"]: r for r in json.loads((tmp_path / "r.json").read_text())["records"]}
+    assert recs["mx"]["overflow"] == 1 and recs["mx"]["status"] == "warning"
+    assert recs["mx:rceil"]["overflow"] == 0 and recs["mx:rceil"]["status"] == "ok"
+    assert "clamped 1 (1.56%)" in out and "the spec clamps them to it by design" in out
+    # any other scaling's overflow stays critical
+    assert classify({**recs["mx"], "scaling": "tensor"}) == "critical"
