@@ -99,8 +99,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="replay scaling policies over a recorded trace, side by side",
         description=(
             "For each --policy (e.g. 'delayed:history=16,margin=1', 'current:pow2', 'msamp', "
-            "'autoscale', 'static:scale=1'): the scale per tensor and step, overflow events, and "
-            "overflow/underflow shares (exact for power-of-two scales)."
+            "'autoscale', 'static:scale=1', 'nvfp4', 'nvfp4:2d,torchao', 'mx:rceil', "
+            "'current:gran=block:1x128,pow2'): the scale per tensor and step, overflow events, "
+            "and overflow/underflow shares (exact for power-of-two scales; block-scaled policies "
+            "exactly, at the steps whose full tensors the trace saved)."
         ),
     )
     r.add_argument("trace", metavar="TRACE", help="an fp8sim trace directory")
@@ -553,7 +555,7 @@ def _replay_failures(replays: list, rules: list) -> list[tuple]:
 
 def run_replay(args: argparse.Namespace) -> int:
     from fp8sim.analysis.report import REPLAY_FAIL_METRICS, format_replay_table, parse_fail_on
-    from fp8sim.analysis.replay import replay_policies, summary_rows
+    from fp8sim.analysis.replay import RECORDED, needs_full_tensors, replay_policies, summary_rows
     from fp8sim.trace import TraceReader, is_trace
 
     rules = parse_fail_on(args.fail_on, REPLAY_FAIL_METRICS) if args.fail_on is not None else []
@@ -593,6 +595,10 @@ def run_replay(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     summaries = summary_rows(replays)
+    for rp in replays:
+        if rp.policy != RECORDED and needs_full_tensors(rp.policy):
+            _msg(f"policy {rp.policy}: replayed at the {rp.cols['step'].size} records with a saved "
+                 f"full tensor; {rp.skipped} without one left out")  # fmt: skip
     crossed = _replay_failures(replays, rules) if rules else []
     if args.json is not None:
         per_policy = {}
