@@ -85,9 +85,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--underflow-critical", type=float, default=2.0, metavar="PCT",
                    help="underflow share that makes a tensor critical (default 2%%)")  # fmt: skip
     p.add_argument("--top", type=int, default=50, help="table rows to print (0: all; default 50)")
-    p.add_argument("--fp8-scales", choices=("stored", "apply"), default="stored",
-                   help="FP8 tensors of a checkpoint with a companion NAME_scale_inv / NAME_scale: "
-                        "analyze the stored codes (default) or the values dequantized with it")  # fmt: skip
+    p.add_argument("--scales", "--fp8-scales", dest="scales", choices=("stored", "apply"),
+                   default="stored",
+                   help="quantized checkpoint tensors with companion scales -- FP8 with "
+                        "NAME_scale_inv / NAME_scale, packed NVFP4 (uint8) with its E4M3 block scale "
+                        "and float32 global scale (compressed-tensors, ModelOpt): analyze them as "
+                        "stored (default) or as the values dequantized with their scales "
+                        "(--fp8-scales: the same)")  # fmt: skip
     p.add_argument("--fp8-block", metavar="RxC",
                    help="block shape of block scales (default: the checkpoint's config.json "
                         "weight_block_size, else 128x128)")  # fmt: skip
@@ -335,8 +339,8 @@ def run_analyze(args: argparse.Namespace) -> int:
     if args.chunk < 1:  # a hidden testing option
         raise ValueError(f"--chunk must be >= 1, got {args.chunk}")
     fp8_block = parse_block(args.fp8_block) if args.fp8_block is not None else None
-    if fp8_block is not None and args.fp8_scales != "apply":  # it would change nothing
-        raise ValueError("--fp8-block applies with --fp8-scales apply only")
+    if fp8_block is not None and args.scales != "apply":  # it would change nothing
+        raise ValueError("--fp8-block applies with --scales apply (--fp8-scales apply) only")
     _check_json_dest(args.json)
     plot_dir = _plot_dir(args.plot)
     errors: list[dict] = []
@@ -372,7 +376,7 @@ def run_analyze(args: argparse.Namespace) -> int:
             dumps.append(open_dump(path))
         except ValueError as exc:
             bad(path, exc)
-    notes: list[dict] = repeats + link_fp8_scales(dumps, args.fp8_scales, fp8_block, bad)
+    notes: list[dict] = repeats + link_fp8_scales(dumps, args.scales, fp8_block, bad)
     total = 2 * sum(t.numel for d in dumps for t in d.tensors if t.is_float)
     show = bool(args.json is None and sys.stderr.isatty())
     records: list[dict] = []
@@ -420,7 +424,7 @@ def run_analyze(args: argparse.Namespace) -> int:
                 st.file = dump.path
                 for rec in st.records():
                     rec["status"] = classify(rec, th)
-                    rec["dequantized_with"] = getattr(src, "described", None)  # --fp8-scales apply
+                    rec["dequantized_with"] = getattr(src, "described", None)  # --scales apply
                     records.append(rec)
                 if plot_dir:
                     _histogram_plot(plot_dir, plot_index, st, dump.path)

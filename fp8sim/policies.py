@@ -578,7 +578,7 @@ class NVFP4Scaling(ScalingPolicy):
 
     @property
     def granularity(self) -> str:
-        """The ``nvfp4[:LAYOUT][:VARIANT]`` granularity spec (:func:`fp8sim.scaling.parse_granularity`)."""
+        """The ``nvfp4[:LAYOUT][:VARIANT]`` granularity (:func:`fp8sim.scaling.parse_granularity`)."""
         lay = {"1x16": "", "16x1": ":16x1", "16x16": ":2d"}[self.params["layout"]]
         var = self.params["variant"]
         return f"nvfp4{lay}" + ("" if var == "te" else f":{var}")

@@ -207,8 +207,8 @@ def test_nvfp4_policy_spec_and_cast():
 
 def test_cli_replay_nvfp4_reports_skipped_records(trace):
     path, _ = trace
-    out = subprocess.run([sys.executable, "-m", "cli", "replay", str(path), "--policy", "nvfp4",
-                          "--policy", "current", "--json", "-"], capture_output=True, text=True)  # fmt: skip
+    cmd = ["replay", str(path), "--policy", "nvfp4", "--policy", "current", "--json", "-"]
+    out = subprocess.run([sys.executable, "-m", "cli", *cmd], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     by = {s["policy"]: s for s in doc["policies"]}
