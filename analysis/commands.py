@@ -85,9 +85,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--underflow-critical", type=float, default=2.0, metavar="PCT",
                    help="underflow share that makes a tensor critical (default 2%%)")  # fmt: skip
     p.add_argument("--top", type=int, default=50, help="table rows to print (0: all; default 50)")
-    p.add_argument("--fp8-scales", choices=("stored", "apply"), default="stored",
-                   help="FP8 tensors of a checkpoint with a companion NAME_scale_inv / NAME_scale: "
-                        "analyze the stored codes (default) or the values dequantized with it")  # fmt: skip
+    p.add_argument("--scales", "--fp8-scales", dest="scales", choices=("stored", "apply"),
+                   default="stored",
+                   help="quantized checkpoint tensors with companion scales -- FP8 with "
+                        "NAME_scale_inv / NAME_scale, packed NVFP4 (uint8) with its E4M3 block scale "
+                        "and float32 global scale (compressed-tensors, ModelOpt): analyze them as "
+                        "stored (default) or as the values dequantized with their scales "
+                        "(--fp8-scales: the same)")  # fmt: skip
     p.add_argument("--fp8-block", metavar="RxC",
                    help="block shape of block scales (default: the checkpoint's config.json "
                         "weight_block_size, else 128x128)")  # fmt: skip
@@ -99,8 +103,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="replay scaling policies over a recorded trace, side by side",
         description=(
             "For each --policy (e.g. 'delayed:history=16,margin=1', 'current:pow2', 'msamp', "
-            "'autoscale', 'static:scale=1'): the scale per tensor and step, overflow events, and "
-            "overflow/underflow shares (exact for power-of-two scales)."
+            "'autoscale', 'static:scale=1', 'nvfp4', 'nvfp4:2d,torchao', 'mx:rceil', "
+            "'current:gran=block:1x128,pow2'): the scale per tensor and step, overflow events, "
+            "and overflow/underflow shares (exact for power-of-two scales; block-scaled policies "
+            "exactly, at the steps whose full tensors the trace saved)."
         ),
     )
     r.add_argument("trace", metavar="TRACE", help="an fp8sim trace directory")
@@ -333,8 +339,8 @@ def run_analyze(args: argparse.Namespace) -> int:
     if args.chunk < 1:  # a hidden testing option
         raise ValueError(f"--chunk must be >= 1, got {args.chunk}")
     fp8_block = parse_block(args.fp8_block) if args.fp8_block is not None else None
-    if fp8_block is not None and args.fp8_scales != "apply":  # it would change nothing
-        raise ValueError("--fp8-block applies with --fp8-scales apply only")
+    if fp8_block is not None and args.scales != "apply":  # it would change nothing
+        raise ValueError("--fp8-block applies with --scales apply (--fp8-scales apply) only")
     _check_json_dest(args.json)
     plot_dir = _plot_dir(args.plot)
     errors: list[dict] = []
@@ -370,7 +376,7 @@ def run_analyze(args: argparse.Namespace) -> int:
             dumps.append(open_dump(path))
         except ValueError as exc:
             bad(path, exc)
-    notes: list[dict] = repeats + link_fp8_scales(dumps, args.fp8_scales, fp8_block, bad)
+    notes: list[dict] = repeats + link_fp8_scales(dumps, args.scales, fp8_block, bad)
     total = 2 * sum(t.numel for d in dumps for t in d.tensors if t.is_float)
     show = bool(args.json is None and sys.stderr.isatty())
     records: list[dict] = []
@@ -418,7 +424,7 @@ def run_analyze(args: argparse.Namespace) -> int:
                 st.file = dump.path
                 for rec in st.records():
                     rec["status"] = classify(rec, th)
-                    rec["dequantized_with"] = getattr(src, "described", None)  # --fp8-scales apply
+                    rec["dequantized_with"] = getattr(src, "described", None)  # --scales apply
                     records.append(rec)
                 if plot_dir:
                     _histogram_plot(plot_dir, plot_index, st, dump.path)
@@ -553,7 +559,7 @@ def _replay_failures(replays: list, rules: list) -> list[tuple]:
 
 def run_replay(args: argparse.Namespace) -> int:
     from fp8sim.analysis.report import REPLAY_FAIL_METRICS, format_replay_table, parse_fail_on
-    from fp8sim.analysis.replay import replay_policies, summary_rows
+    from fp8sim.analysis.replay import RECORDED, needs_full_tensors, replay_policies, summary_rows
     from fp8sim.trace import TraceReader, is_trace
 
     rules = parse_fail_on(args.fail_on, REPLAY_FAIL_METRICS) if args.fail_on is not None else []
@@ -593,6 +599,10 @@ def run_replay(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     summaries = summary_rows(replays)
+    for rp in replays:
+        if rp.policy != RECORDED and needs_full_tensors(rp.policy):
+            _msg(f"policy {rp.policy}: replayed at the {rp.cols['step'].size} records with a saved "
+                 f"full tensor; {rp.skipped} without one left out")  # fmt: skip
     crossed = _replay_failures(replays, rules) if rules else []
     if args.json is not None:
         per_policy = {}

@@ -16,6 +16,20 @@ are fed in order (steps ascending; within a step in recording order). Per record
 The trace's own scales (what the run did) appear as the pseudo-policy ``recorded``, with the
 recorder's exact counts. Shares: overflow of the finite values, underflow of the nonzero finite
 values.
+
+Block-scaled policies (``nvfp4...``, ``mx``, ``mx:rceil``, ``current:gran=block:RxC`` -- with
+``pow2`` Transformer Engine's Float8BlockScaling -- and ``current:gran=row|col``) need each
+group's amax, which a per-tensor record does not hold: they are replayed only at the records
+whose full tensor the trace saved (``--save-every``), and the others are counted as ``skipped``.
+There the counts are exact, those of :func:`fp8sim.analysis.stats.tensor_stats` for the
+policy's cast of the saved tensor (round to nearest even, saturating: what ``fp8sim analyze
+--scaling ...`` reports): ``overflow`` the values whose scaled magnitude rounds above the
+format's max, ``underflow`` the nonzero finite values that become 0; ``event`` is ``overflow >
+0`` (some group's amax overflowed); ``scale`` the multiplier of the group holding the tensor
+amax (``policy.scale_for``). NVFP4 policies cast to E2M1 whatever the recorded format, with the
+E4M3 block scales and the tensor scale of :mod:`fp8sim.nvfp4` (compressed-tensors' variant,
+whose cast divides, is not replayed: ``analyze`` does not count it either). ``mx`` and block
+``current`` policies keep the recorded format and need a round-to-nearest-even trace.
 """
 
 from __future__ import annotations
@@ -29,7 +43,7 @@ import numpy as np
 from fp8sim.formats import get_format
 from fp8sim.trace import TraceReader, cast_thresholds
 
-__all__ = ["PolicyReplay", "replay_policies", "RECORDED", "summary_rows"]
+__all__ = ["PolicyReplay", "replay_policies", "RECORDED", "summary_rows", "needs_full_tensors"]
 
 #: name of the pseudo-policy made of the trace's own scales and counts
 RECORDED = "recorded"
@@ -46,12 +60,14 @@ class PolicyReplay:
 
     Columns: ``step``, ``tensor`` (index into ``names``), ``scale``, ``exact`` (pow2 scale: counts
     exact), ``overflow_lo/hi``, ``underflow_lo/hi`` (equal when exact), ``event`` (the amax
-    overflowed), ``finite``, ``nonzero`` (share denominators).
+    overflowed), ``finite``, ``nonzero`` (share denominators). ``skipped``: records left out (a
+    block-scaled policy at a record without a saved full tensor).
     """
 
     policy: str
     names: list[str]
     cols: dict[str, np.ndarray] = field(default_factory=dict)
+    skipped: int = 0
 
     @property
     def overflow(self) -> np.ndarray:
@@ -75,7 +91,7 @@ class PolicyReplay:
         underflow share, median and worst underflow share (percent), share of exact records."""
         c = self.cols
         n = int(c["step"].size)
-        out: dict = {"policy": self.policy, "records": n}
+        out: dict = {"policy": self.policy, "records": n, "skipped": self.skipped}
         if n == 0:
             return out | {"events": 0, "overflow": 0, "worst_tensor": None, "worst_step": None,
                           "median_underflow_pct": 0.0, "worst_underflow_pct": 0.0,
@@ -131,6 +147,45 @@ def _at_max(hist, fmt, scale: float) -> tuple[int, int]:
     return hist.count_scaled_above(fmt.max - half_ulp, scale, inclusive=even)
 
 
+def needs_full_tensors(policy) -> bool:
+    """Whether a policy (spec or object) scales per group (block, MX, NVFP4, row, col), so that
+    it is replayed from the trace's saved full tensors only."""
+    from fp8sim.policies import parse_policy
+
+    return parse_policy(policy).granularity != "tensor"
+
+
+def _block_variant(pol, spec: str, rounding: str) -> Callable:
+    """A function ``fmt -> analysis Variant`` of a block-scaled policy's cast (the recorded
+    format, or E2M1 for NVFP4), after checking it can be replayed (ValueError otherwise)."""
+    from fp8sim.analysis.stats import parse_variants
+    from fp8sim.scaling import parse_granularity
+
+    g = parse_granularity(pol.granularity)
+    margin, pow2 = 0.0, False
+    if g.kind == "nvfp4":
+        if g.variant == "compressed-tensors":
+            raise ValueError(f"policy {spec!r}: the compressed-tensors NVFP4 variant is not replayed "
+                             "(its cast divides; replay counts te, torchao, torchao-block)")  # fmt: skip
+    elif rounding != "rne":
+        raise ValueError(f"policy {spec!r}: block-scaled policies are replayed with round to "
+                         f"nearest even; this trace rounds {rounding}")  # fmt: skip
+    elif g.kind != "mx":  # current with row, col or block:RxC
+        p = pol.params
+        if p["epsilon"] != 0.0:
+            raise ValueError(f"policy {spec!r}: epsilon is not replayed for {g.spec} scaling "
+                             "(give epsilon=0)")  # fmt: skip
+        margin, pow2 = float(p["margin"]), bool(p["pow2"])
+    cache: dict[str, object] = {}
+
+    def variant(fmt) -> object:
+        if fmt.name not in cache:  # NVFP4: e2m1 whatever fmt is
+            cache[fmt.name] = parse_variants([fmt.name], [g.spec], margin=margin, pow2=pow2)[0]
+        return cache[fmt.name]
+
+    return variant
+
+
 def replay_policies(
     trace: TraceReader | str,
     specs: Sequence[str],
@@ -142,9 +197,12 @@ def replay_policies(
     :class:`PolicyReplay` per distinct policy (``current`` and ``current:margin=0`` are one),
     plus ``recorded`` first when ``include_recorded``.
 
-    Raises ValueError for a bad spec, and for MX policies (a per-tensor trace has no block
-    amaxes to replay them from). ``progress(n)`` is called per record and policy.
+    Block-scaled policies (:func:`needs_full_tensors`) are replayed at the records whose full
+    tensor the trace saved, the others counted in ``skipped``. Raises ValueError for a bad spec,
+    and for a block-scaled policy over a trace that saved no full tensor (or that it cannot
+    replay: see the module docstring). ``progress(n)`` is called per record and policy.
     """
+    from fp8sim.analysis.stats import tensor_stats
     from fp8sim.policies import parse_policy
 
     reader = trace if isinstance(trace, TraceReader) else TraceReader(trace)
@@ -152,18 +210,23 @@ def replay_policies(
     policies = []
     for spec in specs:
         pol = parse_policy(spec)
-        if getattr(pol, "granularity", "tensor") not in ("tensor", None):
+        if all(pol.spec != p.spec for _, p, _ in policies):  # the same policy spelled twice: once
+            block = _block_variant(pol, spec, rounding) if needs_full_tensors(pol) else None
+            policies.append((spec, pol, block))
+    saved = set(reader.saved_tensors()) if any(b for _, _, b in policies) else set()
+    for spec, pol, block in policies:
+        if block is not None and not saved:
             raise ValueError(
-                f"policy {spec!r}: {pol.granularity} scaling cannot be replayed from a per-tensor "
-                "trace (it needs per-block amaxes); replay tensor-scaled policies"
+                f"policy {spec!r}: {pol.granularity} scaling needs per-block amaxes, which a "
+                "per-tensor record does not hold, and this trace saved no full tensor to replay "
+                "it from (record with --save-every K)"
             )
-        if all(pol.spec != p.spec for _, p in policies):  # the same policy spelled twice: once
-            policies.append((spec, pol))
     names = [t.name for t in reader.tensors]
     outs = []
     if include_recorded:
-        outs.append((RECORDED, None, {c: [] for c in _COLS}))
-    outs += [(spec, pol, {c: [] for c in _COLS}) for spec, pol in policies]
+        outs.append((RECORDED, None, None, {c: [] for c in _COLS}))
+    outs += [(spec, pol, block, {c: [] for c in _COLS}) for spec, pol, block in policies]
+    skipped = [0] * len(outs)
     fmts: dict[str, object] = {}
 
     for rec in reader.records():
@@ -171,12 +234,30 @@ def replay_policies(
         finite = rec.numel - rec.nan - rec.inf
         nonzero = finite - rec.zero
         tid = reader.tensor(rec.name).index
-        for spec, pol, cols in outs:
+        full = None  # the saved tensor's figures under every block policy, computed once
+        if (rec.step, rec.name) in saved:
+            blocks = [(k, block(fmt)) for k, (_, _, block, _) in enumerate(outs) if block]
+            if blocks:
+                st = tensor_stats(reader.load_tensor(rec.step, rec.name), [v for _, v in blocks])
+                full = (st, {k: vs for (k, _), vs in zip(blocks, st.variants)})
+        for k, (spec, pol, block, cols) in enumerate(outs):
             if pol is None:
                 scale = rec.scale
                 ov = (rec.overflow, rec.overflow)
                 un = (rec.underflow, rec.underflow)
                 exact = True
+                row = (finite, nonzero, _event(rec.amax, scale, fmt, rounding))
+            elif block is not None:
+                if full is None:
+                    skipped[k] += 1
+                    if progress is not None:
+                        progress(1)
+                    continue
+                st, vs = full[0], full[1][k]
+                scale = float(pol.scale_for(rec.name, fmt, current_amax=rec.amax))
+                ov, un, exact = (vs.overflow, vs.overflow), (vs.underflow, vs.underflow), True
+                pol.observe(rec.name, rec.amax, fmt, numel=st.numel)
+                row = (st.finite, st.nonzero, vs.overflow > 0)
             else:
                 scale = float(pol.scale_for(rec.name, fmt, current_amax=rec.amax))
                 ov = rec.hist.overflow_bounds(fmt, scale, rounding)
@@ -188,10 +269,10 @@ def replay_policies(
                     n_at_max=int(round(sum(am) / 2)) + rec.inf,  # +-inf saturate to +-max
                     overflow=int(round(sum(ov) / 2)),
                 )  # fmt: skip
+                row = (finite, nonzero, _event(rec.amax, scale, fmt, rounding))
             for c, v in zip(
                 _COLS,
-                (rec.step, tid, scale, exact, ov[0], ov[1], un[0], un[1],
-                 _event(rec.amax, scale, fmt, rounding), finite, nonzero),
+                (rec.step, tid, scale, exact, ov[0], ov[1], un[0], un[1], row[2], row[0], row[1]),
             ):  # fmt: skip
                 cols[c].append(v)
             if progress is not None:
@@ -199,9 +280,9 @@ def replay_policies(
     result = []
     dtypes = (np.int64, np.int32, np.float64, bool, np.int64, np.int64, np.int64, np.int64,
               bool, np.int64, np.int64)  # fmt: skip
-    for spec, pol, cols in outs:
+    for k, (spec, pol, _, cols) in enumerate(outs):
         arrays = {c: np.asarray(cols[c], dtype=dt) for c, dt in zip(_COLS, dtypes)}
-        result.append(PolicyReplay(spec if pol is None else pol.spec, names, arrays))
+        result.append(PolicyReplay(spec if pol is None else pol.spec, names, arrays, skipped[k]))
     return result
 
 

@@ -42,6 +42,10 @@ them with their parameters):
 * ``static`` -- a fixed scale.
 * ``mx`` -- MX block scaling (granularity ``mx`` / ``mx:rceil``, E8M0 scales per 32 elements);
   ``scale_for`` gives the multiplier of one block whose amax is ``current_amax``.
+* ``nvfp4`` -- NVFP4 two-level scaling (:mod:`fp8sim.nvfp4`): E2M1 elements whatever ``fmt``
+  says, an E4M3 scale per 16 elements (``layout`` 1x16, 16x1 or 16x16), a float32 tensor scale
+  from this step's tensor amax, with the ``variant``'s rules (Transformer Engine by default).
+  ``scale_for`` gives the multiplier of the block holding the tensor amax.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ from fp8sim.policy_params import (
     split_items,
     format_param,
 )
+from fp8sim.nvfp4 import (NVFP4_VARIANTS, block_decode_scale, block_scales, cast_multiplier,
+                          check_layout, check_variant, tensor_scale_for)  # fmt: skip
 from fp8sim.scaling import (
     MX_RULES,
     ScaledTensor,
@@ -79,6 +85,7 @@ __all__ = [
     "AutoScale",
     "StaticScaling",
     "MXScaling",
+    "NVFP4Scaling",
     "POLICY_SPECS",
     "parse_policy",
     "format_param",
@@ -249,6 +256,9 @@ class CurrentScaling(ScalingPolicy):
         g = parse_granularity(self.params["gran"])
         if g.kind == "mx":
             raise ValueError("current: gran=mx is the mx policy (spec 'mx' or 'mx:rceil')")
+        if g.kind == "nvfp4":
+            raise ValueError("current: gran=nvfp4 is the nvfp4 policy (spec 'nvfp4', "
+                             "'nvfp4:2d', 'nvfp4:layout=16x1,variant=torchao', ...)")  # fmt: skip
         self.params["gran"] = g.spec
         check_margin(self.NAME, self.params["margin"])
         eps = self.params["epsilon"]
@@ -546,11 +556,70 @@ class MXScaling(ScalingPolicy):
         return quantize_scaled(x, fmt, self.granularity, **cast)
 
 
+class NVFP4Scaling(ScalingPolicy):
+    NAME = "nvfp4"
+    DESCRIPTION = ("NVFP4: E2M1 elements (whatever the format), an E4M3 scale per 16 elements, "
+                   "a float32 tensor scale from this step's amax")  # fmt: skip
+    PARAMS = {
+        "layout": Param("1x16", "block: 1x16 along rows, 16x1 along columns, 16x16 (2d: weights)",
+                        ("1x16", "16x1", "16x16", "2d")),  # fmt: skip
+        "variant": Param("te", "scale rules of Transformer Engine, torchao (two-level or "
+                               "torchao-block: one level) or compressed-tensors (ct)",
+                         (*NVFP4_VARIANTS, "ct")),  # fmt: skip
+    }
+    just_in_time = True
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        if self.params["layout"] == "2d":
+            self.params["layout"] = "16x16"
+        check_layout(self.params["layout"])
+        self.params["variant"] = check_variant(self.params["variant"])  # ct: compressed-tensors
+
+    @property
+    def granularity(self) -> str:
+        """The ``nvfp4[:LAYOUT][:VARIANT]`` granularity (:func:`fp8sim.scaling.parse_granularity`)."""
+        lay = {"1x16": "", "16x1": ":16x1", "16x16": ":2d"}[self.params["layout"]]
+        var = self.params["variant"]
+        return f"nvfp4{lay}" + ("" if var == "te" else f":{var}")
+
+    def scale_for(
+        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
+    ) -> float:
+        """The float32 multiplier of the block holding the tensor amax ``current_amax`` (its
+        block amax is the tensor amax): :func:`fp8sim.nvfp4.cast_multiplier` of its E4M3 scale;
+        compressed-tensors divides by ``b / G``, so its value is ``float32(1 / float32(b / G))``.
+        ``fmt`` is ignored (NVFP4 elements are E2M1). NaN where the variant's rule gives NaN
+        (torchao for an amax of 0)."""
+        a = self._need_amax(name, current_amax)
+        var = self.params["variant"]
+        _, b = block_scales(np.float32(a), a, var)
+        if var != "compressed-tensors":
+            return float(cast_multiplier(b, a, var))
+        d = block_decode_scale(b, tensor_scale_for(a, var), var)  # b / G
+        with np.errstate(divide="ignore"):
+            return float(np.float32(1) / d)
+
+    def observe(self, name: str, amax: float, fmt: FloatFormat | str, **stats: Any) -> None:
+        _check_amax(amax, f"nvfp4.observe({name!r})")
+
+    def quantize(self, name: str, x: Any, fmt: FloatFormat | str = "e2m1", *, observe: bool = True,
+                 **cast: Any) -> ScaledTensor:  # fmt: skip
+        """:meth:`ScalingPolicy.quantize` with NVFP4's cast: E2M1 whatever ``fmt`` says; the
+        tensor scale from ``x``'s amax (NaN skipped). ``cast``: ``rounding``, ``seed``,
+        ``srbits`` (``saturate=False`` is refused: E2M1 has no inf or NaN)."""
+        return super().quantize(name, x, "e2m1", observe=observe, **cast)
+
+    def _cast(self, name: str, x: Any, fmt: FloatFormat, amax: float, cast: dict) -> ScaledTensor:
+        return quantize_scaled(x, "e2m1", self.granularity, **cast)
+
+
 # -- specs ---------------------------------------------------------------------------------------
 
 _POLICIES: dict[str, type[ScalingPolicy]] = {
     cls.NAME: cls
-    for cls in (CurrentScaling, DelayedScaling, MSAMPScaling, AutoScale, StaticScaling, MXScaling)
+    for cls in (CurrentScaling, DelayedScaling, MSAMPScaling, AutoScale, StaticScaling, MXScaling,
+                NVFP4Scaling)  # fmt: skip
 }
 
 #: name -> {"description", "params": {key: {"default", "help", "choices"}}} (plain data)

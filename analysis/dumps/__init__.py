@@ -2,7 +2,7 @@
 which files are read (:mod:`.inputs`), the containers (:mod:`.core`: .npy, .npz, traces and the
 dispatch; :mod:`.safetensors_reader`, :mod:`.torch_reader`; strided copies in :mod:`.strided`),
 and FP8 tensors dequantized with their companion scales (:mod:`.fp8_scales`, whose lookups are in
-:mod:`.fp8_companions`).
+:mod:`.fp8_companions`), packed NVFP4 weights with their two scales too (:mod:`.fp4_scales`).
 """
 
 from fp8sim.analysis.dumps.core import (

@@ -91,7 +91,8 @@ ITEMSIZE = {
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1,
 }  # fmt: skip
 RAW_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32,
-              "float64": np.float64, **{name: np.uint8 for name in (*FP8_DTYPES, "float8_e8m0fnu")}}  # E8M0: scales only
+              "float64": np.float64, **{name: np.uint8 for name in (*FP8_DTYPES, "float8_e8m0fnu")},
+              "uint8": np.uint8}  # E8M0: scales only; uint8: packed NVFP4 weights (fp4_scales)
 
 
 def checked_numel(shape: Any, where: str) -> tuple[tuple[int, ...], int]:

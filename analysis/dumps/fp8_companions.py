@@ -204,12 +204,15 @@ class CompanionFinder:
             return [os.path.join(d, f) for f, _ in same], None, {}, missing
         return [], None, {}, []
 
-    def find(self, src: TensorSource, dump: Dump):
+    def find(self, src: TensorSource, dump: Dump, names: list[str] | None = None):
         """(owner dump, companion source or the (name, reason) its dump skipped it with), or
-        None. Raises ValueError ``"<what is wrong>"`` (no file or tensor prefix: the caller says
-        whose) for both spellings at once, or a companion in several files, and for one that is
-        expected but cannot be looked at (see the class docstring)."""
-        names = [src.name + sfx for sfx in SCALE_SUFFIXES]
+        None. ``names``: the companion's possible names (default: the FP8 spellings
+        ``NAME_scale_inv``, ``NAME_scale``). Raises ValueError ``"<what is wrong>"`` (no file or
+        tensor prefix: the caller says whose) for two spellings at once, or a companion in
+        several files, and for one that is expected but cannot be looked at (see the class
+        docstring)."""
+        if names is None:
+            names = [src.name + sfx for sfx in SCALE_SUFFIXES]
         own = [(dump, e) for n in names for e in self._entries(dump, n)]
         if own:
             return self._one(own, names)

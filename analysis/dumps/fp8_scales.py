@@ -43,8 +43,14 @@ rounded to nearest even, for float32/bfloat16/float16/FP8/E8M0 scales; in float6
 scales with a dimension (a 0-dim float64 scale is cast to float32, as torch does). Scales that are NaN, inf, zero or negative are applied as they are, and the note counts
 them.
 
-With ``--fp8-scales stored`` (the default) nothing is applied or refused: the FP8 codes are
-analyzed as the values they encode, and each FP8 tensor that has a companion gets a note.
+With ``--scales stored`` (the default; ``--fp8-scales`` is the same option) nothing is applied
+or refused: the FP8 codes are analyzed as the values they encode, and each FP8 tensor that has a
+companion gets a note.
+
+Packed NVFP4 weights (uint8, with an E4M3 block scale and a float32 per-tensor scale, as
+compressed-tensors and ModelOpt store them) are linked here too, by the rules of
+:mod:`.fp4_scales`: ``apply`` reads them as their dequantized float32 values, ``stored`` leaves
+them skipped (uint8) with a note.
 """
 
 from __future__ import annotations
@@ -59,12 +65,17 @@ import numpy as np
 from fp8sim.analysis.dumps.core import FLOAT_DTYPES, FP8_DTYPES, Dump, TensorSource
 from fp8sim.analysis.dumps.fp8_companions import SCALE_SUFFIXES, CompanionFinder, config_blocks
 from fp8sim.analysis.dumps.fp8_companions import parse_block
+from fp8sim.analysis.dumps.fp4_scales import (E2M1_DTYPE, PackedE2M1, nvfp4_block_factors,
+                                              nvfp4_companions)  # fmt: skip
+from fp8sim.nvfp4 import NVFP4_BLOCK
 
 __all__ = ["SCALE_SUFFIXES", "DEFAULT_BLOCK", "parse_block", "link_fp8_scales", "ScaledSource"]
 
 #: block shape when neither --fp8-block nor a config.json gives one
 DEFAULT_BLOCK = (128, 128)
 _E8M0 = "float8_e8m0fnu"
+#: uint8 tensors looked at as packed NVFP4 weights (compressed-tensors', ModelOpt's names)
+_FP4_NAMES = ("weight_packed", "weight")
 
 
 @dataclass
@@ -73,7 +84,8 @@ class ScaledSource(TensorSource):
     the companion's values (float32, or float64 for a float64 companion), as a
     (groups along the leading dims and rows, column groups) grid; ``kind`` is ``tensor``,
     ``row`` or ``block``, ``block`` the R x C of the groups (rows: 1 x N), ``described`` a line
-    for reports."""
+    for reports. An NVFP4 weight's ``base`` is its :class:`~.fp4_scales.PackedE2M1` values and
+    its dtype ``float4_e2m1fn``."""
 
     base: TensorSource = field(repr=False, default=None)
     scale: np.ndarray = field(repr=False, default=None)
@@ -81,6 +93,10 @@ class ScaledSource(TensorSource):
     block: tuple[int, int] = (1, 1)
     scale_name: str = ""
     described: str = ""
+
+    @property
+    def is_float(self) -> bool:
+        return self.base.is_float
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Elements ``[start, stop)`` of the flat C-order tensor, dequantized."""
@@ -167,7 +183,7 @@ def link_fp8_scales(dumps: list[Dump], mode: str, block: tuple[int, int] | None,
     notes, and the companions it would have taken stay where they are.
     """
     if mode not in ("stored", "apply"):
-        raise ValueError(f"--fp8-scales {mode!r}: valid: stored, apply")
+        raise ValueError(f"--scales {mode!r}: valid: stored, apply")
     files = [d for d in dumps if d.trace is None]
     finder = CompanionFinder(files)
     configs: dict[str, tuple[list[tuple[int, int]], str]] = {}
@@ -201,6 +217,11 @@ def _link_dump(dump: Dump, mode: str, block, finder: CompanionFinder, configs: d
         notes.append({"file": dump.path, "name": src.name, "note": text})
 
     for k, src in enumerate(dump.tensors):
+        if src.dtype == "uint8" and src.name.endswith(_FP4_NAMES):
+            found = _link_nvfp4(dump, k, src, mode, finder, note)
+            if found is not None:
+                taken += found
+            continue
         if src.dtype not in FP8_DTYPES:
             continue
         if mode == "stored":
@@ -212,7 +233,7 @@ def _link_dump(dump: Dump, mode: str, block, finder: CompanionFinder, configs: d
             if found is not None:
                 cname = found[1].name if isinstance(found[1], TensorSource) else found[1][0]
                 note(src, f"FP8 codes analyzed as stored; its companion {cname} was not applied "
-                          "(--fp8-scales apply analyzes the dequantized values)")  # fmt: skip
+                          "(--scales apply analyzes the dequantized values)")  # fmt: skip
             continue
         try:
             found = finder.find(src, dump)
@@ -265,3 +286,46 @@ def _link_dump(dump: Dump, mode: str, block, finder: CompanionFinder, configs: d
         taken.append((owner, comp))
         note(src, f"dequantized with {comp.name}{where}: {what}")
     return notes, taken
+
+
+def _link_nvfp4(dump: Dump, k: int, src: TensorSource, mode: str, finder: CompanionFinder,
+                note: Callable[[TensorSource, str], None]) -> list | None:  # fmt: skip
+    """A uint8 tensor that may be a packed NVFP4 weight (:mod:`.fp4_scales`): under ``apply``
+    replaced in ``dump`` by a :class:`ScaledSource` of its dequantized values; returns the
+    companions taken ([(owner, source)]) or None."""
+    try:
+        found = nvfp4_companions(src, dump, finder)
+    except ValueError as exc:
+        if mode == "stored":
+            note(src, f"uint8 tensor skipped; it {exc}")
+            return None
+        raise ValueError(f"{src.file}: {src.name} {exc}") from None
+    if found is None:
+        return None
+    if isinstance(found, str):
+        note(src, found)
+        return None
+    if mode == "stored":
+        note(src, f"packed NVFP4 weight ({found.library}) skipped as uint8; --scales apply "
+                  f"dequantizes it with {found.names}")  # fmt: skip
+        return None
+    try:
+        shape, grid = nvfp4_block_factors(src, found)
+    except ValueError as exc:
+        raise ValueError(f"{src.file}: {src.name} {exc}") from None
+    rule = "scale / global_scale" if found.library == "compressed-tensors" else "scale * scale_2"
+    what = f"NVFP4 ({found.library}): E2M1 codes x float32({rule}), 1x16 E4M3 block scales"
+    where = {o.path for o in (found.block_owner, found.tensor_owner) if o is not dump}
+    if where:
+        what += f" (in {', '.join(sorted(where))})"
+    n_bad, n_nonpos = int((~np.isfinite(grid)).sum()), int((grid <= 0).sum())
+    if n_bad or n_nonpos:
+        what += f"; {n_bad} NaN/inf and {n_nonpos} zero or negative block factors"
+    codes = PackedE2M1(src.name, src.file, shape, E2M1_DTYPE, None, base=src)
+    dump.tensors[k] = ScaledSource(
+        src.name, src.file, shape, E2M1_DTYPE, None, base=codes, scale=grid, kind="block",
+        block=(1, NVFP4_BLOCK), scale_name=found.block.name,
+        described=f"{found.names}: {what}",
+    )  # fmt: skip
+    note(src, f"dequantized with {found.names}: {what}")
+    return [(found.block_owner, found.block), (found.tensor_owner, found.tensor)]
