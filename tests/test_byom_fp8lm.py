@@ -97,3 +97,16 @@ def test_prepare_applies_each_level_to_a_llama():
     with pytest.raises(ValueError, match="no FP8 linear"):
         fp8lm.prepare(tiny_llama(), "bf16")
     assert np.isfinite(runs["fp8lm-o3"].optimizer.counter.pop()["weights"])
+
+
+@pytest.mark.parametrize("name", ["fp8lm-o1", "fp8lm-o2", "fp8lm-o3"])
+def test_convert_to_fp8_refuses_the_fp8lm_levels_it_would_not_apply(name):
+    from fp8sim.training import convert_to_fp8, get_recipe
+
+    model = tiny_llama()
+    for recipe in (name, get_recipe(name)):
+        with pytest.raises(ValueError, match=rf"use fp8sim.training.fp8lm.prepare\(model, '{name}'\)"):
+            convert_to_fp8(model, recipe)
+        assert get_fp8_state(model) is None  # nothing converted
+    convert_to_fp8(model, get_recipe(name).linear)  # the linear level alone, asked for explicitly
+    assert get_fp8_state(model) is not None

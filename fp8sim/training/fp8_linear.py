@@ -563,9 +563,11 @@ def convert_to_fp8(
     ``Parameter`` objects, dtypes and layouts: optimizers and weight tying keep working).
 
     ``recipe``: a registered name (``"te-delayed"``), a :class:`Recipe` or a :class:`LinearRecipe`.
-    Only the recipe's linear level is applied: for the FP8-LM recipes (``fp8lm-o1``/``-o2``/``-o3``:
-    FP8 optimizer, FP8 gradient communication, FP8 weight storage) use
-    :func:`fp8sim.training.fp8lm.prepare`, which applies every level. All converted layers share
+    A recipe with levels beyond the linear layers -- the FP8-LM recipes (``fp8lm-o1``/``-o2``/``-o3``:
+    FP8 gradient communication, FP8 optimizer, FP8 weight storage) -- is refused, since applying
+    only its linear level would silently train something else: use
+    :func:`fp8sim.training.fp8lm.prepare`, which applies every level (or pass ``recipe.linear`` for
+    that level alone, deliberately). All converted layers share
     one :class:`Fp8State` (``gemm_accumulate``: see there). ValueError when the recipe has no FP8
     GEMMs, when the model is already converted, when nothing was converted (torchao returns the
     model unchanged) and when ``model`` is itself a linear layer (torchao returns a new module;
@@ -583,6 +585,13 @@ def convert_to_fp8(
 
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
+    if isinstance(recipe, Recipe) and (recipe.optimizer, recipe.grad_comm, recipe.weight_storage) != (
+            "adamw", "none", "fp32"):  # fmt: skip
+        levels = ", ".join(f"{k}={v}" for k, v in (("optimizer", recipe.optimizer), ("grad_comm", recipe.grad_comm),
+                                                   ("weight_storage", recipe.weight_storage)))  # fmt: skip
+        raise ValueError(f"convert_to_fp8: recipe {recipe.name!r} has levels beyond the linear layers ({levels}) that "
+                         f"convert_to_fp8 does not apply; use fp8sim.training.fp8lm.prepare(model, {recipe.name!r}), "
+                         f"or get_recipe({recipe.name!r}).linear for its linear level alone")  # fmt: skip
     linear_recipe = recipe.linear if isinstance(recipe, Recipe) else recipe
     if not isinstance(linear_recipe, LinearRecipe):
         name = getattr(recipe, "name", recipe)

@@ -159,7 +159,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = GPT(cfg.model)
         if self.recipe.is_fp8:
-            convert_to_fp8(self.model, self.recipe, cfg.backend, gemm_accumulate=cfg.gemm_accumulate)
+            # the linear level; the FP8-LM levels are the data-parallel trainer's (dp.attach)
+            convert_to_fp8(self.model, self.recipe.linear, cfg.backend, gemm_accumulate=cfg.gemm_accumulate)
         self.fp8 = get_fp8_state(self.model)
         self.params = list(self.model.parameters())
         hp = {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
