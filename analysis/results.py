@@ -189,7 +189,7 @@ class AnalysisResult:
         index = 0
         for item in self.plot_items:
             if isinstance(item, TraceSummary):
-                if not item.grid("underflow")[0].size:
+                if not item.tensors:  # no step recorded
                     continue
                 base = safe_name(os.path.basename(os.path.normpath(item.path)), index)
                 for key in ("underflow", "overflow"):
