@@ -1,11 +1,73 @@
-"""fp8sim analysis: open tensor dumps safely and lazily, single-pass FP8 statistics, policy replay
-over recorded traces, reports and plots. Depends on the ``fp8sim`` core; ``fp8sim`` never imports
-``analysis``.
+"""fp8sim analysis: FP8 statistics of tensors (files, checkpoints, traces, arrays in memory) and
+scaling policies replayed over recorded traces. Depends on the ``fp8sim`` core; ``fp8sim`` never
+imports ``analysis``.
 
-Packages and modules: :mod:`analysis.dumps` (loading, FP8 companion scales), :mod:`analysis.stats`
-(numba statistics), :mod:`analysis.replay` (policies over traces), :mod:`analysis.report`
-(classes, tables, JSON, --fail-on), :mod:`analysis.plots` (PNG), :mod:`analysis.commands`
-(``fp8sim analyze``/``replay``).
+From Python::
+
+    from fp8sim.analysis import analyze, replay
+    result = analyze("checkpoint/", formats="e4m3,e5m2", scalings="tensor,mx")
+    result.worst(5); result.table(); result.to_json("analysis.json"); result.to_pandas()
+    replay("my-trace", ["delayed:history=16", "current"]).table()
+
+Modules: :mod:`.api` (:func:`analyze`, :func:`replay`), :mod:`.results` and :mod:`.records`
+(what they return), :mod:`.dumps` (loading, FP8 companion scales), :mod:`.stats` (numba
+statistics), :mod:`.trace_summary` (a trace's recorded statistics), :mod:`.policy_replay`
+(policies over traces, the columns), :mod:`.report` (classes, tables, ``fail_on`` rules),
+:mod:`.json_output` (JSON files), :mod:`.plots` (PNG), :mod:`.commands` (``fp8sim analyze`` /
+``replay``), :mod:`.demo` (``fp8sim demo``).
+
+The names below are imported on first use (PEP 562): ``fp8sim --help`` registers the commands
+without loading numba.
 """
 
-__all__ = ["dumps", "stats", "replay", "report", "plots", "commands"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "analyze": "fp8sim.analysis.api",
+    "replay": "fp8sim.analysis.api",
+    "AnalysisResult": "fp8sim.analysis.results",
+    "ReplayResult": "fp8sim.analysis.results",
+    "Log2Histogram": "fp8sim.analysis.results",
+    "TensorRecord": "fp8sim.analysis.records",
+    "TraceTensorRecord": "fp8sim.analysis.records",
+    "Note": "fp8sim.analysis.records",
+    "BadInput": "fp8sim.analysis.records",
+    "Crossing": "fp8sim.analysis.records",
+    "PolicySummary": "fp8sim.analysis.records",
+    "ReplayRecord": "fp8sim.analysis.records",
+    "ReplayCrossing": "fp8sim.analysis.records",
+    "TraceSummary": "fp8sim.analysis.trace_summary",
+}
+
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
+    from fp8sim.analysis.api import analyze, replay
+    from fp8sim.analysis.records import (
+        BadInput,
+        Crossing,
+        Note,
+        PolicySummary,
+        ReplayCrossing,
+        ReplayRecord,
+        TensorRecord,
+        TraceTensorRecord,
+    )
+    from fp8sim.analysis.results import AnalysisResult, Log2Histogram, ReplayResult
+    from fp8sim.analysis.trace_summary import TraceSummary
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'fp8sim.analysis' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

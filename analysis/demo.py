@@ -7,8 +7,8 @@
    :data:`EMULATOR_STEPS` steps: the backends are compared over the steps both ran);
 2. checks the two backends: identical FP8 codes for every cast of step 1, loss curves within
    1e-3 relative;
-3. analyzes the FP8 trace (``fp8sim analyze``), replays scaling policies over it
-   (``fp8sim replay``), and compares the runs (``fp8sim compare``);
+3. analyzes the FP8 trace (:func:`fp8sim.analysis.analyze`), replays scaling policies over it
+   (:func:`fp8sim.analysis.replay`), and compares the runs (``fp8sim compare``);
 4. writes a report folder: ``summary.md`` (targets measured, tables), PNG plots, the runs and
    the traces.
 """
@@ -16,8 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import sys
@@ -76,19 +74,6 @@ def _msg(text: str) -> None:
     print(f"fp8sim demo: {text}", file=sys.stderr)
 
 
-def _cli_call(register_fn, argv: list[str]) -> str:
-    """Run a command module's own code path on ``argv``; returns what it printed."""
-    parser = argparse.ArgumentParser(prog="fp8sim")
-    register_fn(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = args.func(args)
-    if rc not in (0, 1):
-        raise RuntimeError(f"fp8sim {' '.join(argv)} returned {rc}")
-    return buf.getvalue()
-
-
 def run_demo(
     out: str | os.PathLike,
     *,
@@ -105,10 +90,8 @@ def run_demo(
     entries in :data:`REPORT_ENTRIES` are removed). ``progress``: as :meth:`Trainer.run`."""
     import torch
 
-    from fp8sim.analysis import commands as analysis_commands
+    from fp8sim.analysis.api import analyze, replay
     from fp8sim.analysis.plots import plot_heatmap, plot_policy_summary
-    from fp8sim.analysis.replay import replay_policies, summary_rows
-    from fp8sim.analysis.report import format_replay_table
     from fp8sim.training import record
     from fp8sim.training.compare import compare_runs, plot_loss_curves
     from fp8sim.training.data import load_corpus
@@ -175,18 +158,20 @@ def run_demo(
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     _msg("analyzing the FP8 trace")
-    analyze_text = _cli_call(analysis_commands.register, [
-        "analyze", str(traces["fp8_torch"]), "--plot", str(plots / "analyze"), "--json",
-        str(out / "analyze.json"), "--top", "40"])
+    analysis = analyze(str(traces["fp8_torch"]))
+    analysis.to_json(out / "analyze.json")
+    analysis.plot(plots / "analyze")
+    c = analysis.counts
+    _msg(f"analysis: {c['critical']} critical, {c['warning']} warning, {c['ok']} ok")
     _msg("replaying scaling policies over the FP8 trace")
-    replays = replay_policies(str(traces["fp8_torch"]), list(REPLAY_POLICIES))
-    summaries = summary_rows(replays)
+    replayed = replay(str(traces["fp8_torch"]), list(REPLAY_POLICIES))
+    summaries = [p.to_dict() for p in replayed.policies]
     plot_policy_summary(plots / "policies.png", summaries)
-    for rp in replays[:2]:  # the recorded scales and the run's own policy
+    for rp in replayed.replays[:2]:  # the recorded scales and the run's own policy
         st, mat = rp.grid("underflow_share")
         tag = "recorded" if rp.policy == "recorded" else "delayed"
         plot_heatmap(plots / f"underflow_{tag}.png", f"{rp.policy}: underflow share (%)", rp.names, st, 100 * mat)
-    replays_bf16 = replay_policies(str(traces["bf16"]), list(REPLAY_POLICIES[:3]))
+    replayed_bf16 = replay(str(traces["bf16"]), list(REPLAY_POLICIES[:3]))
     loss_png = plot_loss_curves([runs["bf16"], runs["fp8_torch"], runs["fp8_emulator"]], plots / "loss_curves.png",
                                 title=f"bf16 vs {recipe} (torch and emulator backends)")
 
@@ -219,8 +204,8 @@ def run_demo(
     }
     summary_json = json.dumps(fig, indent=2, default=str) + "\n"
     atomic_write(out / "summary.json", lambda f: f.write(summary_json.encode()))
-    _write_report(out, recipe, fig, vs_bf16, backends, analyze_text, format_replay_table(summaries),
-                  format_replay_table(summary_rows(replays_bf16)), loss_png)
+    _write_report(out, recipe, fig, vs_bf16, backends, analysis.table(top=40), replayed.table(),
+                  replayed_bf16.table(), loss_png)
     _msg(f"wrote {out / 'summary.md'} ({fig['wall_s']} s)")
     return fig
 

@@ -37,6 +37,7 @@ __all__ = [
     "FAIL_METRICS",
     "REPLAY_FAIL_METRICS",
     "format_replay_table",
+    "format_trace_table",
     "STATUS_ORDER",
 ]
 
@@ -325,3 +326,16 @@ def format_replay_table(summaries: list[dict[str, Any]]) -> str:
              f"{s['exact_pct']:.0f}%"]  # fmt: skip
         )
     return text_table(headers, rows, right={1, 2, 4, 6})
+
+
+def format_trace_table(rows: list[dict[str, Any]]) -> str:
+    """A trace's recorded statistics, one row per tensor, in the given order (sort first)."""
+    body = [
+        [r["status"], r["name"], r["role"], r["format"], str(r["steps"]),
+         f"{r['amax']:.3g}" if r["amax"] is not None else "-",
+         f"{r['overflow']} in {r['overflow_steps']} steps" if r["overflow"] else "0",
+         f"{r['underflow_pct']:.3g}%", f"{r['worst_underflow_pct']:.3g}% @ {r['worst_underflow_step']}"]
+        for r in rows
+    ]  # fmt: skip
+    return text_table(["status", "tensor", "role", "format", "steps", "max amax", "overflow",
+                       "underflow", "worst underflow"], body, right={4, 5, 6, 7, 8})  # fmt: skip

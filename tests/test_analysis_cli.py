@@ -236,8 +236,8 @@ def test_replay_cli(trace, tmp_path, capsys):
     assert out.splitlines()[0].startswith("policy")
     rc, _, err = run(capsys, "replay", str(tmp_path), "--policy", "current")
     assert rc == 2 and "not an fp8sim trace" in err
-    rc, _, err = run(capsys, "replay", str(trace), "--policy", "mx")
-    assert rc == 2 and "per-block" in err
+    rc, _, err = run(capsys, "replay", str(trace), "--policy", "mx")  # block-scaled: the saved tensor only
+    assert rc == 0 and "policy mx:rule=floor: replayed at the 1 records with a saved full tensor; 17 without one left out" in err
 
 
 def test_classify_and_rules():

@@ -142,8 +142,8 @@ def test_a_damaged_stored_npz_member_is_refused(tmp_path, capsys, order):
     (["--underflow-warning", "3", "--underflow-critical", "2"], "--underflow-warning"),
     (["--underflow-warning", "nan"], "--underflow-warning"),
     (["--scaling", "block:1x99999999999999999999"], "block:1x99999999999999999999"),
-    (["--fp8-block", "128x128"], "--fp8-block applies with --scales apply (--fp8-scales apply) only"),
-    (["--fp8-block", "128x128", "--fp8-scales", "stored"], "--fp8-scales apply) only"),
+    (["--fp8-block", "128x128"], "--fp8-block applies with --scales apply only"),
+    (["--fp8-block", "128x128", "--fp8-scales", "stored"], "--fp8-block applies with --scales apply only"),
     (["--fp8-block", "128x128", "--scales", "stored"], "--scales apply"),
 ])  # fmt: skip
 def test_bad_options_are_one_line_exit_2(good, capsys, argv, what):

@@ -1,4 +1,4 @@
-"""analysis.replay: policies over a trace, counts checked against fp8sim.quantize on the tensors
+"""analysis.policy_replay: policies over a trace, counts checked against fp8sim.quantize on the tensors
 that were recorded (the test keeps them), scales against the policy objects themselves."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fp8sim
-from fp8sim.analysis.replay import RECORDED, _at_max, replay_policies, summary_rows
+from fp8sim.analysis.policy_replay import RECORDED, _at_max, replay_policies, summary_rows
 from fp8sim.policies import parse_policy
 from fp8sim.scaling import scale_from_amax
 from fp8sim.trace import TraceWriter

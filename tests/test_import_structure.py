@@ -138,11 +138,11 @@ def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_the_packages_and_their_imports():
     # the test must be able to fail: known modules are found, and known edges of each kind
     g = import_graph()
-    for m in ("fp8sim", "fp8sim.cli", "fp8sim.kernels", "fp8sim.analysis.replay",
+    for m in ("fp8sim", "fp8sim.cli", "fp8sim.kernels", "fp8sim.analysis.policy_replay",
               "fp8sim.trace", "fp8sim.trace.writer", "fp8sim.training.recorder"):  # fmt: skip
         assert m in g[MODULE], m
     assert "fp8sim.trace.layout" in g[MODULE]["fp8sim.trace.writer"]
-    assert "fp8sim.trace" in g[MODULE]["fp8sim.analysis.replay"]
+    assert "fp8sim.trace" in g[MODULE]["fp8sim.analysis.policy_replay"]
     assert "fp8sim.trace" in g[FUNCTION]["fp8sim.training.allreduce_sim"]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []

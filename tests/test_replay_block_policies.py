@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fp8sim
-from fp8sim.analysis.replay import RECORDED, replay_policies
+from fp8sim.analysis.policy_replay import RECORDED, replay_policies
 from fp8sim.nvfp4 import block_scales, cast_multiplier, dequantize_nvfp4_2d, quantize_nvfp4_2d
 from fp8sim.policies import parse_policy
 from fp8sim.scaling import quantize_scaled, scale_from_amax

@@ -5,7 +5,7 @@ histogram's bracket (other scales)."""
 import numpy as np
 import pytest
 
-from fp8sim.analysis.replay import replay_policies
+from fp8sim.analysis.policy_replay import replay_policies
 from fp8sim.policies import parse_policy
 from fp8sim.trace import TraceReader
 from fp8sim.training import record

@@ -1,8 +1,9 @@
 """Tensor dumps, opened safely and lazily (see :mod:`fp8sim.analysis.dumps.core` for the rules):
 which files are read (:mod:`.inputs`), the containers (:mod:`.core`: .npy, .npz, traces and the
 dispatch; :mod:`.safetensors_reader`, :mod:`.torch_reader`; strided copies in :mod:`.strided`),
-and FP8 tensors dequantized with their companion scales (:mod:`.fp8_scales`, whose lookups are in
-:mod:`.fp8_companions`), packed NVFP4 weights with their two scales too (:mod:`.fp4_scales`).
+FP8 tensors dequantized with their companion scales (:mod:`.fp8_scales`, whose lookups are in
+:mod:`.fp8_companions`), packed NVFP4 weights with their two scales too (:mod:`.fp4_scales`), and
+arrays or tensors already in memory (:mod:`.in_memory`).
 """
 
 from fp8sim.analysis.dumps.core import (
@@ -22,6 +23,7 @@ from fp8sim.analysis.dumps.fp8_scales import (
     link_fp8_scales,
     parse_block,
 )
+from fp8sim.analysis.dumps.in_memory import is_in_memory, memory_dump
 from fp8sim.analysis.dumps.inputs import each_file_once, require_regular_file
 
 __all__ = [
@@ -40,4 +42,6 @@ __all__ = [
     "DEFAULT_BLOCK",
     "each_file_once",
     "require_regular_file",
+    "memory_dump",
+    "is_in_memory",
 ]

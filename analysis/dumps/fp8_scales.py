@@ -254,6 +254,8 @@ def _link_dump(dump: Dump, mode: str, block, finder: CompanionFinder, configs: d
         def blocks_of():
             if block is not None:
                 return [(block, "--fp8-block")]
+            if dump.kind == "memory":  # tensors in memory have no directory, so no config.json
+                return [(DEFAULT_BLOCK, "default")]
             d = os.path.dirname(os.path.abspath(dump.path))
             if d not in configs:
                 configs[d] = config_blocks(d)

@@ -1,4 +1,5 @@
-"""Replay scaling policies over a recorded trace: what each policy would have done, step by step.
+"""Replay scaling policies over a recorded trace: what each policy would have done, step by step
+(the columns; :func:`fp8sim.analysis.replay` wraps them in a result).
 
 For every policy (a :func:`fp8sim.policies.parse_policy` spec, fresh state) the trace's records
 are fed in order (steps ascending; within a step in recording order). Per record:

@@ -1,0 +1,214 @@
+"""The records of an analysis and a replay as typed, immutable objects.
+
+Each class has exactly the fields of its JSON object (docs/cli.md), in the same order, and
+:meth:`to_dict` gives that object back (tuples as lists; non-finite floats are written ``null``
+when the JSON is made). Units: ``*_pct`` fields are percent (overflow of the finite values,
+underflow and subnormal of the nonzero finite values); ``*_share`` fields are fractions (0..1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = [
+    "TensorRecord",
+    "TraceTensorRecord",
+    "Note",
+    "BadInput",
+    "Crossing",
+    "PolicySummary",
+    "ReplayRecord",
+    "ReplayCrossing",
+]
+
+
+class _JsonRecord:
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record's JSON object (a plain dict, fields in order, tuples as lists)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        """The record of a JSON object (every field present, no other key)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRecord(_JsonRecord):
+    """One tensor under one format x scaling (see docs/analysis.md for the figures).
+
+    ``amax`` None: a value beyond float32's range (inf); ``sqnr_db`` / ``rel_mse`` None: see
+    ``sqnr_case`` (``exact``, ``unbounded`` or ``undefined``); ``scale`` / ``scale_max``: the
+    smallest / largest group scale (one for ``tensor`` and ``none``); ``status``: ``critical``,
+    ``warning`` or ``ok``; ``dequantized_with``: the companion scale an FP8 tensor was dequantized
+    with (``fp8_scales="apply"``), else None."""
+
+    name: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    format: str
+    scaling: str
+    amax: float | None
+    scale: float | None
+    scale_max: float | None
+    overflow: int
+    underflow: int
+    subnormal: int
+    nan: int
+    inf: int
+    zero: int
+    lost: int
+    sqnr_db: float | None
+    rel_mse: float | None
+    sqnr_case: str
+    overflow_pct: float
+    underflow_pct: float
+    subnormal_pct: float
+    status: str
+    dequantized_with: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceTensorRecord(_JsonRecord):
+    """One tensor of a trace, its recorded statistics over all steps (records of one step
+    summed). ``scaling`` is ``recorded``; ``scale`` the last recorded one; ``amax`` the largest
+    finite one (None: none finite); ``overflow_steps`` the steps with an overflow;
+    ``worst_underflow_pct`` / ``_step``: the step with the largest underflow share."""
+
+    name: str
+    file: str
+    role: str
+    format: str
+    scaling: str
+    shape: tuple[int, ...]
+    steps: int
+    numel: int
+    amax: float | None
+    scale: float
+    overflow: int
+    underflow: int
+    nan: int
+    inf: int
+    overflow_pct: float
+    underflow_pct: float
+    overflow_steps: int
+    worst_underflow_pct: float
+    worst_underflow_step: int
+    status: str
+
+
+@dataclass(frozen=True, slots=True)
+class Note(_JsonRecord):
+    """Something said about an input that is not a record (a skipped tensor, a file analyzed
+    once, a companion scale applied). ``name``: the tensor, or empty / None for the whole file."""
+
+    file: str
+    name: str | None
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class BadInput(_JsonRecord):
+    """An input that could not be analyzed (``keep_going=True``): a whole file (``name`` None)
+    or one tensor of it; ``reason`` is the one-line message."""
+
+    file: str
+    name: str | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Crossing(_JsonRecord):
+    """A ``fail_on`` rule crossed by a record (of ``analyze``)."""
+
+    rule: str
+    name: str
+    format: str
+    scaling: str
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySummary(_JsonRecord):
+    """One policy over a whole trace (``recorded``: the run's own scales). ``overflow`` is the
+    best estimate (exact for power-of-two scales, else bracket midpoints), ``overflow_bounds``
+    the bracket; the worst record is the one with the largest overflow share, then underflow
+    share; ``exact_pct`` the share of records with exact counts. A policy without records has
+    only ``policy, records, skipped, events, overflow, worst_tensor, worst_step, median_underflow_pct,
+    worst_underflow_pct, exact_pct`` (the others None, and absent from its JSON)."""
+
+    policy: str
+    records: int
+    skipped: int  # records left out: block-scaled policies replay only saved full tensors
+    events: int
+    overflow: float
+    overflow_bounds: tuple[int, int] | None
+    worst_tensor: str | None
+    worst_step: int | None
+    worst_overflow_pct: float | None
+    median_underflow_pct: float
+    worst_underflow_pct: float
+    worst_underflow_tensor: str | None
+    worst_underflow_step: int | None
+    exact_pct: float
+
+    _ONLY_WITH_RECORDS = ("overflow_bounds", "worst_overflow_pct", "worst_underflow_tensor",
+                          "worst_underflow_step")  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PolicySummary":
+        full = {f.name: None for f in fields(cls)} | d
+        if full["overflow_bounds"] is not None:
+            full["overflow_bounds"] = tuple(full["overflow_bounds"])
+        return cls(**full)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = _JsonRecord.to_dict(self)
+        if not self.records:
+            for k in self._ONLY_WITH_RECORDS:
+                del d[k]
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRecord(_JsonRecord):
+    """One trace record replayed under one policy. Counts are ``(lo, hi)`` brackets, equal when
+    ``exact`` (a power-of-two scale); shares are fractions of ``finite`` (overflow) and
+    ``nonzero`` (underflow), ``(None, None)`` when that is 0; ``event``: the amax itself
+    overflowed. :meth:`to_dict` is the JSON object (``records[policy]`` entries: no ``policy``)."""
+
+    policy: str
+    step: int
+    tensor: str
+    scale: float
+    exact: bool
+    overflow: tuple[int, int]
+    underflow: tuple[int, int]
+    finite: int
+    nonzero: int
+    overflow_share: tuple[float | None, float | None]
+    underflow_share: tuple[float | None, float | None]
+    event: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        d = _JsonRecord.to_dict(self)
+        del d["policy"]
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayCrossing(_JsonRecord):
+    """A ``fail_on`` rule crossed by a policy at a tensor and step (of ``replay``)."""
+
+    rule: str
+    policy: str
+    tensor: str
+    step: int

@@ -1,0 +1,369 @@
+"""What :func:`fp8sim.analysis.analyze` and :func:`fp8sim.analysis.replay` return.
+
+Both results are immutable and hold typed records (:mod:`fp8sim.analysis.records`); each gives
+the command line's table (:meth:`table`), its JSON (:meth:`to_json`, the format docs/cli.md
+documents), the worst records (:meth:`worst`), a pandas DataFrame (:meth:`to_pandas`, when pandas
+is installed) and PNG plots (:meth:`plot`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import Any, Sequence
+
+import numpy as np
+
+from fp8sim.analysis.json_output import check_json_path, json_text, write_json
+from fp8sim.analysis.records import (
+    BadInput,
+    Crossing,
+    Note,
+    PolicySummary,
+    ReplayCrossing,
+    ReplayRecord,
+    TensorRecord,
+    TraceTensorRecord,
+)
+from fp8sim.analysis.report import (
+    FailRule,
+    escape_cell,
+    format_replay_table,
+    format_table,
+    format_trace_table,
+    sort_worst_first,
+)
+from fp8sim.analysis.trace_summary import TraceSummary, sort_worst_first_trace
+from fp8sim.errors import ArgumentError
+
+__all__ = ["AnalysisResult", "ReplayResult", "Log2Histogram"]
+
+#: rows a result's repr shows
+_REPR_ROWS = 5
+
+
+@dataclass(frozen=True)
+class Log2Histogram:
+    """A tensor's values per binade: ``counts[i]`` values with ``floor(log2|x|) ==
+    exponents[i]`` (zeros, NaN and inf not counted; the nonzero range only), and the |x| window
+    each analyzed format x scaling represents, ``(label, min_subnormal / scale, max / scale)``."""
+
+    name: str
+    file: str
+    exponents: np.ndarray = field(repr=False)
+    counts: np.ndarray = field(repr=False)
+    windows: tuple[tuple[str, float, float], ...] = ()
+
+
+def _pandas(what: str):
+    try:
+        import pandas
+    except ImportError:
+        raise ImportError(f"{what}.to_pandas() needs pandas, which is not installed: "
+                          "pip install pandas") from None  # fmt: skip
+    return pandas
+
+
+def _check_top(top: int | None) -> int | None:
+    if top is not None and top < 0:
+        raise ArgumentError.about("top", f" must be >= 0 (0 prints every row), got {top}")
+    return top or None
+
+
+def _plot_dir(directory: Any):
+    """A :class:`~fp8sim.analysis.plots.PlotDir` for ``directory`` (a path, or one already made)."""
+    from fp8sim.analysis.plots import PlotDir
+
+    if isinstance(directory, PlotDir):
+        return directory
+    try:
+        return PlotDir(os.fspath(directory), option="directory")
+    except ValueError as exc:
+        raise ArgumentError.renamed(exc, "directory", "directory") from None
+
+
+# ------------------------------------------------------------------------------------------
+# analyze
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True, repr=False)
+class AnalysisResult:
+    """Statistics of every float tensor analyzed under every format x scaling (``variants``).
+
+    ``records``: one :class:`~fp8sim.analysis.records.TensorRecord` per tensor x variant, worst
+    first; ``traces``: a :class:`~fp8sim.analysis.trace_summary.TraceSummary` per trace (its
+    recorded statistics); ``notes`` and ``errors`` (bad inputs, with ``keep_going``);
+    ``crossings``: the records that crossed a ``rules`` (``fail_on``) rule; ``files``: the files
+    and trace directories read.
+    """
+
+    variants: tuple
+    records: tuple[TensorRecord, ...]
+    traces: tuple[TraceSummary, ...]
+    notes: tuple[Note, ...]
+    errors: tuple[BadInput, ...]
+    rules: tuple[FailRule, ...]
+    crossings: tuple[Crossing, ...]
+    files: tuple[str, ...]
+    #: histograms and traces in the order analyzed (plots are numbered in that order)
+    plot_items: tuple = field(default=(), compare=False)
+
+    @property
+    def histograms(self) -> tuple[Log2Histogram, ...]:
+        """The log2|x| histogram of each tensor analyzed, in the order analyzed."""
+        return tuple(p for p in self.plot_items if isinstance(p, Log2Histogram))
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Records and trace tensors per status: ``{"critical": .., "warning": .., "ok": ..}``."""
+        rows = [*self.records, *(t for tr in self.traces for t in tr.tensors)]
+        return {k: sum(r.status == k for r in rows) for k in ("critical", "warning", "ok")}
+
+    def table(self, top: int | None = 50) -> str:
+        """The command line's table: the records, worst first (``top`` rows; 0 or None: all),
+        then each trace's recorded statistics per tensor."""
+        top = _check_top(top)
+        parts = []
+        if self.records:
+            parts.append(format_table([r.to_dict() for r in self.records], limit=top))
+        for t in self.traces:
+            parts.append(f"\ntrace {escape_cell(t.path)}: recorded statistics over all steps")
+            parts.append(format_trace_table([r.to_dict() for r in sort_worst_first_trace(list(t.tensors))]))
+        if not self.records and not self.traces:
+            parts.append("no float tensors analyzed")
+        return "\n".join(parts)
+
+    def worst(self, n: int = 10) -> list[TensorRecord | TraceTensorRecord]:
+        """The ``n`` worst records, trace tensors included: by status, then overflow share,
+        underflow share (descending), SQNR (ascending; undefined last), name."""
+        rows = [*self.records, *(t for tr in self.traces for t in tr.tensors)]
+        dicts = [r.to_dict() for r in rows]
+        by_id = {id(d): r for d, r in zip(dicts, rows)}
+        return [by_id[id(d)] for d in sort_worst_first(dicts)[: max(0, n)]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object (docs/cli.md): variants, records, traces, notes, errors, summary,
+        fail_on."""
+        return {
+            "variants": [{"format": v.fmt.name, "scaling": v.scaling, "margin": v.margin,
+                          "pow2": v.pow2} for v in self.variants],  # fmt: skip
+            "records": [r.to_dict() for r in self.records],
+            "traces": [t.to_dict() for t in self.traces],
+            "notes": [x.to_dict() for x in self.notes],
+            "errors": [e.to_dict() for e in self.errors],
+            "summary": self.counts,
+            "fail_on": [c.to_dict() for c in self.crossings],
+        }
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str | None:
+        """The JSON text (strict: non-finite numbers are ``null``), or, with ``path``, that text
+        written there whole or not at all (never over one of the files analyzed, nor inside an
+        fp8sim trace)."""
+        if path is None:
+            return json_text(self.to_dict())
+        check_json_path(path, self.files)
+        write_json(path, self.to_dict())
+        return None
+
+    def to_pandas(self, which: str = "records"):
+        """A pandas DataFrame, one row per record (``which="records"``) or per trace tensor
+        (``"traces"``), the JSON fields as columns."""
+        pd = _pandas("AnalysisResult")
+        if which == "records":
+            rows, cls = self.records, TensorRecord
+        elif which == "traces":
+            rows, cls = [t for tr in self.traces for t in tr.tensors], TraceTensorRecord
+        else:
+            raise ArgumentError.about("which", f" {which!r}: records or traces")
+        return pd.DataFrame([r.to_dict() for r in rows], columns=[f.name for f in fields(cls)])
+
+    def plot(self, directory: Any) -> list[str]:
+        """PNGs into ``directory`` (a path, made if missing, or a ``plots.PlotDir``): a log2|x|
+        histogram per tensor with each variant's window, and per trace its overflow and
+        underflow share per tensor and step. Returns the paths written."""
+        from fp8sim.analysis.plots import plot_heatmap, plot_log2_histogram, safe_name
+
+        pdir = _plot_dir(directory)
+        written = []
+        index = 0
+        for item in self.plot_items:
+            if isinstance(item, TraceSummary):
+                if not item.tensors:  # no step recorded
+                    continue
+                base = safe_name(os.path.basename(os.path.normpath(item.path)), index)
+                for key in ("underflow", "overflow"):
+                    steps, mat = item.grid(key)
+                    written.append(plot_heatmap(pdir.path(f"{base}_trace_{key}.png"),
+                                                f"{item.path}: recorded {key} share (%)",
+                                                item.names, steps, mat))  # fmt: skip
+            else:
+                written.append(plot_log2_histogram(
+                    pdir.path(safe_name(item.name, index) + ".png"),
+                    f"{item.name} ({os.path.basename(item.file)})", item.exponents, item.counts,
+                    item.windows))  # fmt: skip
+            index += 1
+        pdir.finish()
+        return written
+
+    def __repr__(self) -> str:
+        c = self.counts
+        tensors = len({(r.file, r.name) for r in self.records})
+        head = (f"AnalysisResult: {len(self.records)} records, {tensors} tensor(s) x "
+                f"{len(self.variants)} format/scaling variant(s): {c['critical']} critical, "
+                f"{c['warning']} warning, {c['ok']} ok")  # fmt: skip
+        lines = [head]
+        if self.traces:
+            lines.append(f"traces: {len(self.traces)} ({sum(len(t.tensors) for t in self.traces)} "
+                         "tensors' recorded statistics)")  # fmt: skip
+        if self.notes or self.errors or self.rules:
+            lines.append(f"notes: {len(self.notes)}, errors: {len(self.errors)}"
+                         + (f", fail_on crossings: {len(self.crossings)}" if self.rules else ""))
+        if self.records:
+            lines.append(format_table([r.to_dict() for r in self.records[:_REPR_ROWS]]))
+            if len(self.records) > _REPR_ROWS:
+                lines.append(f"... {len(self.records) - _REPR_ROWS} more: .table(top=0), "
+                             ".worst(n), .to_pandas()")  # fmt: skip
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------
+# replay
+# ------------------------------------------------------------------------------------------
+def _shares(lo: Any, hi: Any, denominator: Any) -> tuple[float | None, float | None]:
+    """``[lo, hi] / denominator``; ``None`` where the denominator is 0."""
+    d = int(denominator)
+    return (None, None) if d == 0 else (int(lo) / d, int(hi) / d)
+
+
+def replay_row(rp: Any, i: int) -> dict[str, Any]:
+    """Record ``i`` of a :class:`~fp8sim.analysis.policy_replay.PolicyReplay` as its JSON
+    object (see :class:`~fp8sim.analysis.records.ReplayRecord`)."""
+    c = rp.cols
+    return {"step": int(c["step"][i]), "tensor": rp.names[int(c["tensor"][i])],
+            "scale": float(c["scale"][i]), "exact": bool(c["exact"][i]),
+            "overflow": (int(c["overflow_lo"][i]), int(c["overflow_hi"][i])),
+            "underflow": (int(c["underflow_lo"][i]), int(c["underflow_hi"][i])),
+            "finite": int(c["finite"][i]), "nonzero": int(c["nonzero"][i]),
+            "overflow_share": _shares(c["overflow_lo"][i], c["overflow_hi"][i], c["finite"][i]),
+            "underflow_share": _shares(c["underflow_lo"][i], c["underflow_hi"][i], c["nonzero"][i]),
+            "event": bool(c["event"][i])}  # fmt: skip
+
+
+@dataclass(frozen=True, repr=False)
+class ReplayResult:
+    """Scaling policies replayed over a trace (``recorded``: the run's own scales).
+
+    ``policies``: a :class:`~fp8sim.analysis.records.PolicySummary` per policy; ``records``
+    (built on first use): a :class:`~fp8sim.analysis.records.ReplayRecord` per policy x trace
+    record; ``crossings``: the ``rules`` (``fail_on``) crossed, earliest step first;
+    ``replays``: the per-record columns (:class:`~fp8sim.analysis.policy_replay.PolicyReplay`,
+    with :meth:`grid` for heatmaps); ``trace_records``: the trace's records (each replayed once
+    per policy).
+    """
+
+    trace: str
+    rounding: str
+    policies: tuple[PolicySummary, ...]
+    rules: tuple[FailRule, ...]
+    crossings: tuple[ReplayCrossing, ...]
+    replays: tuple = field(compare=False)
+    trace_records: int = 0
+
+    @cached_property
+    def records(self) -> tuple[ReplayRecord, ...]:
+        return tuple(ReplayRecord(policy=rp.policy, **replay_row(rp, i))
+                     for rp in self.replays for i in range(rp.cols["step"].size))  # fmt: skip
+
+    def table(self) -> str:
+        """The command line's table: one row per policy."""
+        return format_replay_table([p.to_dict() for p in self.policies])
+
+    def worst(self, n: int = 10) -> list[ReplayRecord]:
+        """The ``n`` worst records over all policies: by overflow share, then underflow share
+        (descending; bracket midpoints), then policy and record order."""
+        def share(pair: tuple) -> float:
+            return -math.inf if pair[0] is None else (pair[0] + pair[1]) / 2
+
+        order = sorted(range(len(self.records)), key=lambda i: (
+            -share(self.records[i].overflow_share), -share(self.records[i].underflow_share), i))
+        return [self.records[i] for i in order[: max(0, n)]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object (docs/cli.md): trace, rounding, policies, records (per policy),
+        fail_on."""
+        per_policy = {rp.policy: [replay_row(rp, i) for i in range(rp.cols["step"].size)]
+                      for rp in self.replays}  # fmt: skip
+        return {"trace": self.trace, "rounding": self.rounding,
+                "policies": [p.to_dict() for p in self.policies], "records": per_policy,
+                "fail_on": [c.to_dict() for c in self.crossings]}  # fmt: skip
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str | None:
+        """The JSON text, or, with ``path``, that text written there whole or not at all (never
+        inside an fp8sim trace)."""
+        if path is None:
+            return json_text(self.to_dict())
+        check_json_path(path)
+        write_json(path, self.to_dict())
+        return None
+
+    def to_pandas(self, which: str = "records"):
+        """A pandas DataFrame: one row per policy x record (``which="records"``; brackets as
+        ``overflow_lo``/``_hi`` ... columns) or per policy (``"policies"``)."""
+        pd = _pandas("ReplayResult")
+        if which == "policies":
+            return pd.DataFrame([p.to_dict() for p in self.policies],
+                                columns=[f.name for f in fields(PolicySummary)])  # fmt: skip
+        if which != "records":
+            raise ArgumentError.about("which", f" {which!r}: records or policies")
+        cols: dict[str, list] = {}
+        for r in self.records:
+            for f in fields(ReplayRecord):
+                v = getattr(r, f.name)
+                if isinstance(v, tuple):
+                    cols.setdefault(f"{f.name}_lo", []).append(v[0])
+                    cols.setdefault(f"{f.name}_hi", []).append(v[1])
+                else:
+                    cols.setdefault(f.name, []).append(v)
+        return pd.DataFrame(cols)
+
+    def plot(self, directory: Any) -> list[str]:
+        """PNGs into ``directory`` (a path, made if missing, or a ``plots.PlotDir``): events and
+        underflow per policy (``policies.png``), and per policy its overflow and underflow share
+        per tensor and step. Returns the paths written."""
+        from fp8sim.analysis.plots import plot_heatmap, plot_policy_summary, safe_name
+
+        pdir = _plot_dir(directory)
+        written = [plot_policy_summary(pdir.path("policies.png"), [p.to_dict() for p in self.policies])]
+        for i, rp in enumerate(self.replays):
+            if rp.cols["step"].size == 0:
+                continue
+            base = safe_name(rp.policy, i)
+            for what in ("underflow_share", "overflow_share"):
+                steps, mat = rp.grid(what)
+                written.append(plot_heatmap(pdir.path(f"{base}_{what}.png"),
+                                            f"{rp.policy}: {what.replace('_', ' ')} (%)", rp.names,
+                                            steps, 100.0 * mat))  # fmt: skip
+        pdir.finish()
+        return written
+
+    def __repr__(self) -> str:
+        lines = [f"ReplayResult: {len(self.policies)} policies over {self.trace_records} records of "
+                 f"{self.trace} (rounding {self.rounding})"]  # fmt: skip
+        if self.rules:
+            lines.append(f"fail_on crossings: {len(self.crossings)}")
+        lines.append(self.table())
+        return "\n".join(lines)
+
+
+def replay_result(trace: str, rounding: str, replays: Sequence, rules: Sequence[FailRule],
+                  crossings: Sequence[tuple], trace_records: int) -> ReplayResult:  # fmt: skip
+    """A :class:`ReplayResult` of :func:`~fp8sim.analysis.policy_replay.replay_policies`'
+    columns and the ``(rule, policy, tensor, step)`` crossings."""
+    return ReplayResult(
+        trace=trace, rounding=rounding,
+        policies=tuple(PolicySummary.from_dict(rp.summary()) for rp in replays),
+        rules=tuple(rules),
+        crossings=tuple(ReplayCrossing(str(rule), pol, name, step) for rule, pol, name, step in crossings),
+        replays=tuple(replays), trace_records=trace_records,
+    )  # fmt: skip
