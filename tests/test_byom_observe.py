@@ -70,7 +70,8 @@ def test_hf_gradient_checkpointing_gives_the_same_gradients_and_trace_rows(tmp_p
     ref = convert_to_fp8(tiny_llama(), "te-delayed")
     g_ref = _train(ref, 3, tmp_path / "plain")
     model = convert_to_fp8(tiny_llama(), "te-delayed")
-    model.gradient_checkpointing_enable()  # transformers 5: use_reentrant=False
+    # transformers 5: use_reentrant=False (5.x renames it activation_checkpointing_enable)
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     model.train()
     g = _train(model, 3, tmp_path / "ckpt")
     for a, b in zip(g_ref, g):

@@ -92,9 +92,7 @@ def test_decode_every_code_matches_ml_dtypes(name):
     fmt = get_format(name)
     codes = np.arange(fmt.num_codes, dtype=np.uint16 if fmt.bits > 8 else np.uint8)
     ours = fp8sim.decode(codes, fmt, dtype=np.float64)
-    if fmt.bits <= 8:
-        theirs = codes.view(ML_DTYPES[name]).astype(np.float64)
-    else:
+    with np.errstate(invalid="ignore"):  # ml_dtypes warns on its NaN codes
         theirs = codes.view(ML_DTYPES[name]).astype(np.float64)
     nan = np.isnan(theirs)
     assert np.array_equal(np.isnan(ours), nan)
