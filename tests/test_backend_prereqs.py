@@ -28,3 +28,14 @@ def test_triton_not_installed_names_the_extra(monkeypatch):
 def test_the_interpreter_makes_it_usable_on_a_cpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # conftest sets it before triton's import
     assert get("triton").name == "triton"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU makes the backend usable")
+def test_train_on_triton_checks_before_creating_its_run_directory(tmp_path, monkeypatch, capsys):
+    from fp8sim import cli
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "run"
+    rc = cli.main(["train", "--backend", "triton", "--recipe", "te-delayed", "--steps", "2", "--out", str(out)])
+    assert rc == 2 and "TRITON_INTERPRET=1" in capsys.readouterr().err
+    assert not out.exists()  # a corrected retry is not refused by a half-made run
