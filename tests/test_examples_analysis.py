@@ -44,3 +44,23 @@ def test_replay_policies_example(tmp_path, capsys):
     worst = out.split("worst records")[1].splitlines()[1]
     assert "act step 8:" in worst and "an overflow event" in worst
     assert (tmp_path / "tr" / "trace.json").is_file()
+
+
+def test_emulate_casts_example(capsys):
+    """Its codes against ml_dtypes and a hand computation; a block scale beats one tensor scale
+    on the rows an outlier does not share (the property the example shows)."""
+    import ml_dtypes
+    import numpy as np
+
+    _example("emulate_casts").main(["--size", "256"])
+    out = capsys.readouterr().out
+    rne = int(np.float32(0.3).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    assert f"rne   code 0x{rne:02x} -> 0.3125" in out
+    # 0.3 = 1.2 * 2**-2: the two e4m3 neighbours are 1.125 and 1.25 * 2**-2; toward zero: 1.125
+    assert "rtz   code 0x29 -> 0.28125" in out and "up    code 0x2a -> 0.3125" in out
+    assert "e4m3 saturate=True  code 0x7e -> 448.0" in out
+    assert "e4m3 saturate=False code 0x7f -> nan" in out and "e5m2 saturate=False code 0x7c -> inf" in out
+    rest = {m.group(1): float(m.group(2)) for m in re.finditer(r"^   \w+ (\S+)\s+whole tensor \S+; rows without "
+                                                              r"the outlier (\S+)$", out, re.M)}  # fmt: skip
+    assert set(rest) == {"tensor", "block:1x32", "nvfp4"}
+    assert rest["block:1x32"] < rest["tensor"] / 2
