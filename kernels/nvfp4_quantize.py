@@ -118,9 +118,10 @@ def _nvfp4_quantize_kernel(
     # -- tile amaxes over the non-NaN elements, (BLOCK_R // TILE_R, BLOCK_C // TILE_C) ---------
     is_nan = (x != x) & mask
     mag = tl.where(is_nan | (mask == 0), 0.0, tl.abs(x))
-    amax = tl.max(tl.max(tl.reshape(mag, (BLOCK_R // TILE_R, TILE_R, BLOCK_C // TILE_C, TILE_C)), axis=3), axis=1)
-    nans = tl.sum(tl.sum(tl.reshape(is_nan.to(tl.int32),
-                                         (BLOCK_R // TILE_R, TILE_R, BLOCK_C // TILE_C, TILE_C)), axis=3), axis=1)
+    mag4 = tl.reshape(mag, (BLOCK_R // TILE_R, TILE_R, BLOCK_C // TILE_C, TILE_C))
+    nan4 = tl.reshape(is_nan.to(tl.int32), (BLOCK_R // TILE_R, TILE_R, BLOCK_C // TILE_C, TILE_C))
+    amax = tl.max(tl.max(mag4, axis=3), axis=1)
+    nans = tl.sum(tl.sum(nan4, axis=3), axis=1)
 
     # -- per-tensor constants from A (0-d), and each tile's E4M3 scale before its cast --------
     ga = tl.load(gamax_ptr)

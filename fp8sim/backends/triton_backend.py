@@ -133,7 +133,8 @@ class TritonBackend(Backend):
         x = self.check_tensor(x)
         gran = parse_granularity(granularity)
         if gran.kind != "nvfp4":
-            raise ValueError(f"nvfp4_quantize: granularity must be nvfp4[:LAYOUT][:VARIANT], got {granularity!r}")
+            raise ValueError("nvfp4_quantize: granularity must be nvfp4[:LAYOUT][:VARIANT], "
+                             f"got {granularity!r}")
         spec = CastSpec("e2m1", rounding, True, seed, srbits)
         return _nvfp4_quantize(x.detach(), gran.block, gran.variant, global_amax=global_amax,
                                rounding=spec.rounding, seed=spec.seed, srbits=spec.srbits, pack=pack)
