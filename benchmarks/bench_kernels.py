@@ -6,6 +6,9 @@ Rows:
 * quantize + fused amax (bfloat16 -> e4m3, per-tensor scale): software cast and native cast,
   as achieved bandwidth (bytes read + written per second) and as a share of a device-to-device
   copy of the same input (bytes read + written; the bandwidth limit). Target: >= 85% native.
+* NVFP4 quantize (bfloat16 -> packed E2M1 + E4M3 block scales, 1x16 and 16x16 tiles, te
+  rules): with its tensor-amax pass, and with a given tensor amax (one pass); and the RHT
+  (bfloat16 in, float32 out), as achieved bandwidth and as a share of the device copy.
 * scaled GEMM at M = N = K in ``--sizes``: TFLOP/s of the Triton kernel (native fp8 dot) against
   ``torch._scaled_mm`` (cuBLASLt) with the same accumulation (float32 adds of K slices; and
   ``fast_accum`` against ``use_fast_accum=True``), and a bfloat16 ``torch.matmul``.
@@ -59,6 +62,35 @@ def bench_quantize(log2n: int) -> list[dict]:
         bw = moved / (t * 1e-3)
         rows.append({"op": f"quantize+amax e4m3 ({'native' if native else 'software'} cast)",
                      "ms": t, "GB/s": bw / 1e9, "of_copy": bw / copy_bw})
+    return rows
+
+
+def bench_nvfp4(log2n: int) -> list[dict]:
+    import torch
+    from triton.testing import do_bench
+
+    from fp8sim.kernels.nvfp4_quantize import nvfp4_quantize
+    from fp8sim.kernels.rht import rht
+
+    n = 1 << log2n
+    x = (torch.randn(n, device="cuda", dtype=torch.bfloat16) * 100).reshape(-1, 4096)
+    dst = torch.empty_like(x)
+    t_copy = do_bench(lambda: dst.copy_(x), return_mode="median")
+    copy_bw = 2 * x.numel() * x.element_size() / (t_copy * 1e-3)
+    # bytes read and written: x (bf16) once per pass; packed codes n/2; per 16 elements one
+    # E4M3 code and two float32 (the decoded block scale and the block amax)
+    outs = n // 2 + (n // 16) * 9
+    rows = []
+    for layout in ("1x16", "16x16"):
+        for ga, passes in ((None, 2), (100.0, 1)):
+            t = do_bench(lambda: nvfp4_quantize(x, layout, global_amax=ga), return_mode="median")
+            bw = (passes * 2 * n + outs) / (t * 1e-3)
+            label = "amax pass + quantize" if ga is None else "given tensor amax"
+            rows.append({"op": f"nvfp4 quantize {layout} te ({label})", "ms": t, "GB/s": bw / 1e9,
+                         "of_copy": bw / copy_bw})
+    t = do_bench(lambda: rht(x, -1, "te"), return_mode="median")
+    bw = (2 * n + 4 * n) / (t * 1e-3)
+    rows.append({"op": "rht along rows (bf16 -> fp32)", "ms": t, "GB/s": bw / 1e9, "of_copy": bw / copy_bw})
     return rows
 
 
@@ -120,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rows = bench_quantize(args.log2n)
+    rows += bench_nvfp4(args.log2n)
     for size in args.sizes:
         rows += bench_gemm(size)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

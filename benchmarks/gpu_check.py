@@ -1,6 +1,6 @@
 """One-shot correctness check of the Triton kernels on a GPU against the emulator.
 
-    python benchmarks/gpu_check.py [--log2n 24] [--json]          # on a CUDA GPU
+    python benchmarks/gpu_check.py [--log2n 24] [--json PATH] [--only nvfp4]   # on a CUDA GPU
     TRITON_INTERPRET=1 python benchmarks/gpu_check.py --smoke      # the same checks, tiny, on CPU
 
 Checks, each PASS/FAIL with a count of mismatches:
@@ -10,7 +10,12 @@ Checks, each PASS/FAIL with a count of mismatches:
 * the software cast in every rounding mode and both overflow rules, several formats;
 * cast_transpose (stochastic), dequantize (bf16 out), block/MX quantize vs fp8sim.scaling;
 * scaled_mm native fp8 dot and float16 path vs a float64 product: worst error over the bound;
-* the fused Adam step bit for bit against the emulator backend.
+* the fused Adam step bit for bit against the emulator backend;
+* NVFP4 quantize (1x16, 16x1, 16x16 tiles; te, torchao, torchao-block, compressed-tensors rules;
+  round to nearest even and stochastic; a given tensor amax) against ``fp8sim.nvfp4``: packed
+  E2M1 codes, E4M3 block-scale codes and values, block amaxes, tensor scale, bitwise, on a
+  ragged 2-D array of the random values with NaN, inf, zero and tiny tiles and tiles on the E2M1
+  rounding boundaries; the RHT (both directions, two axes) against ``fp8sim.hadamard.rht``.
 Exit status: 0 all passed (or no GPU: says so), 1 a check failed.
 """
 
@@ -33,7 +38,7 @@ def _device() -> str | None:
     return "cuda" if torch.cuda.is_available() else None
 
 
-def run_checks(dev: str, log2n: int) -> list[dict]:
+def run_checks(dev: str, log2n: int, only: str = "all") -> list[dict]:
     import torch
 
     import fp8sim
@@ -56,6 +61,9 @@ def run_checks(dev: str, log2n: int) -> list[dict]:
         return int((got.cpu() != torch.as_tensor(want)).sum())
 
     rand = random_values(n, seed=11, spread=40.0)
+    if only == "nvfp4":
+        _nvfp4_checks(dev, rand, record)
+        return results
     for fmt in ("e4m3", "e5m2"):
         x = torch.from_numpy(np.concatenate([edge_values(fmt), rand]))
         xd = x.to(dev)
@@ -126,7 +134,73 @@ def run_checks(dev: str, log2n: int) -> list[dict]:
         bad = sum(int((a.cpu().view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(dst, ref))
         bad += sum(int(not torch.equal(a.cpu(), b)) for a, b in zip(r1, r2))
         record(f"adam_step {rounding}", bad, 3 * size)
+
+    _nvfp4_checks(dev, rand, record)
     return results
+
+
+def _nvfp4_input(rand: np.ndarray) -> np.ndarray:
+    """float32 (rows, cols) of the random values, both sides ragged for 16-element tiles and the
+    last axis odd (a half-filled last packed byte), with NaN, +-inf, a zero 16x16 tile, tiny and
+    float32-subnormal tiles, and tiles on the E2M1 rounding boundaries (te's rules) on top."""
+    from fp8sim.backends.cases import nvfp4_boundary_tiles
+
+    cols = 4093 if rand.size >= 1 << 20 else 61
+    rows = rand.size // cols
+    assert rows >= 40, "gpu_check: need at least 40 rows of random values"
+    x = rand[: rows * cols].copy().reshape(rows, cols)
+    x[1, 5], x[2, 40], x[3, 17] = np.nan, np.inf, -np.inf
+    x[16:32, 16:32] = 0.0
+    x[33, 0:16] = np.float32(1e-30)
+    x[34, 0:16] = np.float32(2.0**-140) * np.arange(16)
+    ties = nvfp4_boundary_tiles("16x16", "te", grid=(1, 2), seed=4)
+    x[-16:, :32] = ties
+    x[-20, 32:48] = nvfp4_boundary_tiles("1x16", "te", grid=(1, 1), seed=5)
+    return x
+
+
+def _nvfp4_checks(dev: str, rand: np.ndarray, record) -> None:
+    import torch
+
+    from fp8sim.backends.triton_backend import TritonBackend
+    from fp8sim.hadamard import rht as rht_ref
+    from fp8sim.nvfp4 import NVFP4_VARIANTS, pack_e2m1, quantize_nvfp4_2d
+
+    tb = TritonBackend()
+    x = _nvfp4_input(rand)
+    xd = torch.from_numpy(x).to(dev)
+
+    def bits(a) -> np.ndarray:
+        a = np.asarray(a.cpu() if isinstance(a, torch.Tensor) else a, dtype=np.float32)
+        return np.where(np.isnan(a), np.float32(np.nan), a).view(np.uint32)
+
+    cases = [(lay, var, "rne", {}) for lay in ("1x16", "16x1", "16x16") for var in NVFP4_VARIANTS]
+    cases += [(lay, "te", "stochastic", {}) for lay in ("1x16", "16x1", "16x16")]
+    cases += [("1x16", "te", "rne", {"global_amax": 3.0}), ("16x16", "torchao", "rne", {"global_amax": 3.0})]
+    for lay, var, rounding, kw in cases:
+        seed = 31 if rounding == "stochastic" else None
+        ref = quantize_nvfp4_2d(x, lay, var, rounding=rounding, seed=seed, **kw)
+        tail = ":2d" if lay == "16x16" else ("" if lay == "1x16" else ":16x1")
+        q = tb.nvfp4_quantize(xd, f"nvfp4{tail}:{var}", rounding=rounding, seed=seed, **kw)
+        bad = int((q.codes.cpu().numpy() != pack_e2m1(ref.codes)).sum())
+        bad += int((q.block_codes.cpu().numpy() != ref.block_codes).sum())
+        bad += int((bits(q.block_scale) != bits(ref.block_scale)).sum())
+        bad += int((bits(q.block_amax) != bits(ref.block_amax)).sum())
+        bad += int(bits(q.tensor_scale) != bits(ref.tensor_scale)) + int(bits(q.global_amax) != bits(ref.global_amax))
+        extra = f" global_amax={kw['global_amax']}" if kw else ""
+        record(f"nvfp4 {lay} {var} {rounding}{extra}", bad, x.size)
+    c, s, a = tb.block_quantize(xd, "e2m1", "nvfp4:2d")
+    ref = quantize_nvfp4_2d(x, "16x16", "te")
+    bad = int((c.cpu().numpy() != ref.codes).sum()) + int((bits(s) != bits(ref.block_scale)).sum())
+    record("block_quantize e2m1 nvfp4:2d (backend)", bad + int((bits(a) != bits(ref.block_amax)).sum()), x.size)
+
+    xr = x[:, : x.shape[1] // 16 * 16]
+    rows16 = x[: x.shape[0] // 16 * 16]
+    for arr, axis, signs, inverse in ((xr, -1, "te", False), (rows16, 0, 12345, False),
+                                      (xr, -1, 777, True)):
+        got = tb.rht(torch.from_numpy(np.ascontiguousarray(arr)).to(dev), axis, signs, inverse=inverse)
+        want = rht_ref(arr, axis, signs, inverse=inverse)
+        record(f"rht axis={axis} signs={signs} inverse={inverse}", int((bits(got) != bits(want)).sum()), arr.size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log2n", type=int, default=24, help="random values per format: 2**log2n")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter run)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    ap.add_argument("--only", choices=("all", "nvfp4"), default="all",
+                    help="nvfp4: only the NVFP4 quantize and RHT checks")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     dev = _device()
@@ -144,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: TRITON_INTERPRET is set; use --smoke for a tiny CPU run", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    results = run_checks(dev, 12 if args.smoke else args.log2n)
+    results = run_checks(dev, 12 if args.smoke else args.log2n, args.only)
     failed = [r for r in results if not r["ok"]]
     summary = {"device": dev, "checks": len(results), "failed": len(failed),
                "seconds": round(time.perf_counter() - t0, 1), "results": results}

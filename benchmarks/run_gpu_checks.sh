@@ -3,7 +3,8 @@
 #   bash benchmarks/run_gpu_checks.sh
 # gpu_check.py (kernels vs the emulator, 2**log2n values per format), the GPU pytest file with
 # the interpreter off, then bench_kernels.py. Each step has its own time limit; a failure in one
-# does not stop the next.
+# does not stop the next. ONLY=nvfp4 runs just the NVFP4 quantize / RHT part of each step
+# (gpu_check --only nvfp4, the GPU tests named nvfp4 or rht, bench_kernels without the GEMMs).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/fp8sim-numba}
@@ -13,9 +14,11 @@ PY=${PYTHON:-python3}
 (cd /tmp && $PY -c "import fp8sim.kernels" 2>/dev/null) || $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 { nvidia-smi -L; $PY -c "import sys,torch,triton,numba,numpy; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 t0=$SECONDS
-timeout "${GPU_CHECK_S:-200}" $PY benchmarks/gpu_check.py --log2n "${LOG2N:-24}" --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+ONLY=${ONLY:-all}
+if [ "$ONLY" = nvfp4 ]; then PYTEST_K=(-k "nvfp4 or rht"); BENCH_ARGS=(--sizes); else PYTEST_K=(); BENCH_ARGS=(); fi
+timeout "${GPU_CHECK_S:-260}" $PY benchmarks/gpu_check.py --log2n "${LOG2N:-24}" --only "$ONLY" --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
 echo "gpu_check: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"; t0=$SECONDS
-timeout "${PYTEST_S:-150}" $PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+timeout "${PYTEST_S:-150}" $PY -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ${PYTEST_K[@]+"${PYTEST_K[@]}"} 2>&1 | tee "$OUT/pytest_gpu.log"
 echo "pytest: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"; t0=$SECONDS
-timeout "${BENCH_S:-100}" $PY benchmarks/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.txt"
+timeout "${BENCH_S:-100}" $PY benchmarks/bench_kernels.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} 2>&1 | tee "$OUT/bench_kernels.txt"
 echo "bench_kernels: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"

@@ -7,6 +7,11 @@ the bit-exactness argument relies on are the ones emitted -- ``div.rn``/``sqrt.r
 contracted ``fma`` in the Adam step, ``cvt.rn.satfinite`` for the native cast, ``wgmma`` on fp8
 operands for the GEMM.
 
+Targets: ``--arch 90`` (Hopper: H100/H200, PTX for ``sm_90a``) and ``--arch 100`` (Blackwell
+B200/GB200, ``sm_100a``); Triton assembles both with the CUDA 13 ``ptxas`` it ships (named
+``ptxas-blackwell``). On sm_100 float32 arithmetic may come out as the paired ``.f32x2``
+instructions (each lane an IEEE operation, rounded to nearest even), which the counts include.
+
 Run in a process where ``TRITON_INTERPRET`` is unset (``triton.jit`` returns interpreter
 functions otherwise): ``python -m fp8sim.kernels.aot [--arch 90] [--only NAME ...]``.
 """
@@ -26,10 +31,12 @@ __all__ = ["list_variants", "compile_variant", "ptx_facts", "main"]
 def _variants() -> dict:
     """name -> (kernel, {arg: triton type}, {constexpr: value}, options), each op file's
     ``aot_variants()`` together."""
-    from fp8sim.kernels import adam, amax, block_quantize, cast_transpose, dequantize, quantize, scaled_mm
+    from fp8sim.kernels import (adam, amax, block_quantize, cast_transpose, dequantize, nvfp4_quantize,
+                                quantize, rht, scaled_mm)
 
     out: dict = {}
-    for module in (quantize, amax, dequantize, cast_transpose, block_quantize, scaled_mm, adam):
+    for module in (quantize, amax, dequantize, cast_transpose, block_quantize, scaled_mm, adam,
+                   nvfp4_quantize, rht):
         out.update(module.aot_variants())
     return out
 
@@ -49,7 +56,7 @@ def compile_variant(name: str, arch: int = 90):
 def ptx_facts(ptx: str) -> dict:
     """Counts of the PTX instructions the bit-exactness argument is about."""
     pats = {
-        "fma_f32": r"\bfma\.rn(\.ftz)?\.f32\b",
+        "fma_f32": r"\bfma\.rn(\.ftz)?\.f32(x2)?\b",  # f32x2: sm_100's paired float32 ops
         "div_rn_f32": r"\bdiv\.rn\.f32\b",
         "div_approx_f32": r"\bdiv\.(approx|full)(\.ftz)?\.f32\b",
         "sqrt_rn_f32": r"\bsqrt\.rn\.f32\b",
@@ -60,7 +67,8 @@ def ptx_facts(ptx: str) -> dict:
         "wgmma_e4m3": r"\bwgmma\.mma_async\S*\.e4m3\b",
         "wgmma_e5m2": r"\bwgmma\.mma_async\S*\.e5m2\b",
         "wgmma_f16": r"\bwgmma\.mma_async\S*\.f16\.f16\b",
-        "add_f32": r"\badd(\.rn)?\.f32\b",
+        "add_f32": r"\badd(\.rn)?\.f32(x2)?\b",
+        "sub_f32": r"\bsub(\.rn)?\.f32(x2)?\b",
     }
     return {k: len(re.findall(p, ptx)) for k, p in pats.items()}
 
@@ -72,7 +80,8 @@ def list_variants() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fp8sim.kernels.aot", description=__doc__.split("\n")[0])
-    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
+    parser.add_argument("--arch", type=int, default=90,
+                        help="compute capability, e.g. 90 (H100/H200) or 100 (B200/GB200)")
     parser.add_argument("--only", nargs="*", help="variant names (default: all)")
     parser.add_argument("--json", action="store_true", help="print the PTX facts as JSON")
     args = parser.parse_args(argv)

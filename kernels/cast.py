@@ -310,7 +310,11 @@ def widen_f32(v):
 
     Exact for float16 and bfloat16, round to nearest even for float64. The sign of a NaN is set
     from the input's bits, so it does not depend on how the GPU's conversion treats NaN.
+    bfloat16 widens by a shift of its bits (float32's top half): Triton 3.9's interpreter
+    converts bfloat16 subnormals wrongly (0x0001 -> 0, 0x0018 -> 2**-127).
     """
+    if v.dtype == tl.bfloat16:
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     x = v.to(tl.float32)
     if v.dtype.primitive_bitwidth != 32:  # compile-time branches
         if v.dtype.primitive_bitwidth == 16:

@@ -189,3 +189,84 @@ def test_adam_on_gpu(tb):
             assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), rounding
         for a, b in zip(r1, r2):
             assert torch.equal(a.cpu(), b), rounding
+
+
+# -- NVFP4 quantize and the RHT --------------------------------------------------------------
+
+
+def _bits32(a) -> np.ndarray:
+    """float32 bits with every NaN as one pattern (a NaN's sign and payload are the device's)."""
+    a = np.asarray(a.cpu() if isinstance(a, torch.Tensor) else a, dtype=np.float32)
+    return np.where(np.isnan(a), np.float32(np.nan), a).view(np.uint32)
+
+
+def _nvfp4_input(seed: int = 0) -> np.ndarray:
+    from fp8sim.backends.cases import nvfp4_boundary_tiles
+
+    x = random_values(1000 * 613, seed=seed, spread=30.0).reshape(1000, 613)  # ragged, odd
+    x[1, 5], x[2, 40], x[3, 17], x[4, 3] = np.nan, np.inf, -np.inf, -0.0
+    x[16:32, 16:32] = 0.0
+    x[33, 0:16] = np.float32(1e-30)
+    x[34, 0:16] = np.float32(2.0**-140) * np.arange(16)
+    x[-32:, :96] = nvfp4_boundary_tiles("16x16", "te", grid=(2, 6), seed=seed)
+    x[-48:-32, :96] = nvfp4_boundary_tiles("1x16", "torchao", grid=(16, 6), seed=seed)
+    return x
+
+
+@pytest.mark.parametrize("variant", ["te", "torchao", "torchao-block", "compressed-tensors"])
+@pytest.mark.parametrize("layout", ["1x16", "16x1", "16x16"])
+def test_nvfp4_quantize_on_gpu(layout, variant):
+    from fp8sim.kernels.nvfp4_quantize import nvfp4_quantize
+    from fp8sim.nvfp4 import pack_e2m1, quantize_nvfp4_2d
+
+    x = _nvfp4_input(seed=len(layout))
+    cases = [("rne", None, None), ("stochastic", SEED, None)]
+    if variant == "te":
+        cases.append(("rne", None, 2.5))  # a tensor amax below the data: saturation
+    for rounding, seed, ga in cases:
+        ref = quantize_nvfp4_2d(x, layout, variant, rounding=rounding, seed=seed, global_amax=ga)
+        q = nvfp4_quantize(torch.from_numpy(x).cuda(), layout, variant, rounding=rounding,
+                           seed=seed, global_amax=ga)
+        assert torch.equal(q.codes.cpu(), torch.from_numpy(pack_e2m1(ref.codes))), rounding
+        assert torch.equal(q.block_codes.cpu(), torch.from_numpy(ref.block_codes)), rounding
+        assert np.array_equal(_bits32(q.block_scale), _bits32(ref.block_scale))
+        assert np.array_equal(_bits32(q.block_amax), _bits32(ref.block_amax))
+        assert _bits32(q.tensor_scale) == _bits32(ref.tensor_scale)
+        assert _bits32(q.global_amax) == _bits32(ref.global_amax)
+
+
+def test_nvfp4_dtypes_and_backend_on_gpu(tb):
+    from fp8sim.backends import get
+    from fp8sim.kernels.nvfp4_quantize import nvfp4_quantize
+    from fp8sim.nvfp4 import quantize_nvfp4_2d
+
+    x = torch.from_numpy(_nvfp4_input(seed=7))
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        xd = x.to(dtype)
+        ref = quantize_nvfp4_2d(xd.to(torch.float32).numpy(), "1x16", "te")
+        q = nvfp4_quantize(xd.cuda(), "1x16", pack=False)
+        assert torch.equal(q.codes.cpu(), torch.from_numpy(ref.codes)), dtype
+        assert torch.equal(q.block_codes.cpu(), torch.from_numpy(ref.block_codes)), dtype
+    for gran in ("nvfp4", "nvfp4:16x1", "nvfp4:2d:ct"):
+        got = tb[0].block_quantize(x.cuda(), "e2m1", gran)
+        want = get("emulator").block_quantize(x, "e2m1", gran)
+        assert torch.equal(got[0].cpu(), want[0]), gran
+        for a, b in zip(got[1:], want[1:]):
+            assert np.array_equal(_bits32(a), _bits32(b)), gran
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rht_on_gpu(tb, inverse):
+    from fp8sim.hadamard import rht as rht_ref
+
+    x = random_values(1024 * 528, seed=8, spread=60.0).reshape(1024, 528)  # overflow, subnormals
+    x[0, 0], x[17, 3], x[33, 4], x[40, 5] = np.nan, np.inf, -np.inf, np.float32(1e-44)
+    x[64:80, 6] = np.float32(3e38)
+    xd = torch.from_numpy(x).cuda()
+    for axis, signs in ((-1, "te"), (0, 99), (1, [1.0, -1.0] * 8)):
+        got = tb[0].rht(xd, axis, signs, inverse=inverse)
+        assert np.array_equal(_bits32(got), _bits32(rht_ref(x, axis, signs, inverse=inverse))), axis
+    y = np.ascontiguousarray(x[:, :512]).reshape(4, 256, 512)
+    got = tb[0].rht(torch.from_numpy(y).to(torch.bfloat16).cuda(), 1, 5, inverse=inverse)
+    want = rht_ref(torch.from_numpy(y).to(torch.bfloat16).to(torch.float32).numpy(), 1, 5, inverse=inverse)
+    assert np.array_equal(_bits32(got), _bits32(want))

@@ -135,3 +135,14 @@ def test_many_programs_and_ragged_tails():
     assert torch.equal(m, ref[1]) and torch.equal(v.view(torch.int16), ref[2].view(torch.int16))
     assert torch.equal(got_amax, torch.stack([want_res.param_amax, want_res.exp_avg_amax,
                                               want_res.exp_avg_sq_amax]))
+
+
+def test_every_bfloat16_input_widens_exactly():
+    """Every bfloat16 bit pattern (subnormals too, which Triton's interpreter's own bfloat16 ->
+    float32 conversion gets wrong) goes into the cast as its exact float32 value."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    x = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    xf = (bits.astype(np.uint32) << 16).view(np.float32)
+    scale = np.float32(2.0**127)  # bfloat16 subnormals (2**-133 .. 2**-126) -> e5m2 normals
+    codes, _ = quantize(x, "e5m2", torch.tensor(float(scale)))
+    assert torch.equal(codes, torch.from_numpy(fp8sim.encode(xf * scale, "e5m2")))

@@ -469,15 +469,22 @@ class Backend:
         srbits: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes, scale_inv, amax) with just-in-time scales per group (``row``, ``col``,
-        ``block:RxC``, ``mx``, ``mx:rceil``): exactly ``fp8sim.scaling.quantize_scaled`` (its
-        rules, shapes and NaN handling); scale_inv and amax have the scaling module's grid
-        shape, as float32 tensors. Granularity ``tensor`` is :meth:`quantize`'s job."""
+        ``block:RxC``, ``mx``, ``mx:rceil``, ``nvfp4[:LAYOUT][:VARIANT]``): exactly
+        ``fp8sim.scaling.quantize_scaled`` (its rules, shapes and NaN handling); scale_inv and
+        amax have the scaling module's grid shape, as float32 tensors (NVFP4: the decoded E4M3
+        block scales and the block amaxes; the tensor scale is not returned). Granularity
+        ``tensor`` is :meth:`quantize`'s job."""
         from fp8sim.scaling import parse_granularity
 
         x = self.check_tensor(x)
         spec = CastSpec(fmt, rounding, saturate, seed, srbits)
-        if parse_granularity(granularity).kind == "tensor":
+        kind = parse_granularity(granularity).kind
+        if kind == "tensor":
             raise ValueError("block_quantize: granularity 'tensor' is quantize()'s job")
+        if kind == "nvfp4" and (spec.fmt.name != "e2m1" or margin != 0 or pow2 or epsilon != 0
+                                or not spec.saturate):
+            raise ValueError("block_quantize: nvfp4 needs fmt='e2m1' and takes no margin, pow2, "
+                             "epsilon or saturate=False")
         return self._block_quantize(x, spec, granularity, margin=margin, pow2=pow2,
                                     epsilon=epsilon)
 

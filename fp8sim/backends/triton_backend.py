@@ -5,7 +5,10 @@ set before triton was first imported (the tests do that in ``tests/conftest.py``
 software cast (bit-exact to the emulator for every format, rounding mode and overflow rule);
 ``native=True`` on a backend instance enables the hardware fp8 cast for e4m3/e5m2 ``rne``
 saturating casts on GPU (checked against the emulator by ``benchmarks/gpu_check.py``).
-Block and MX scaling: :meth:`TritonBackend.block_quantize`.
+Block and MX scaling: :meth:`TritonBackend.block_quantize`; an ``nvfp4...`` granularity there
+runs the NVFP4 kernel (``kernels/nvfp4_quantize.py``). Two NVFP4 operations only this backend has
+so far: :meth:`TritonBackend.nvfp4_quantize` (all of it: packed codes, E4M3 block-scale codes,
+the tensor scale) and :meth:`TritonBackend.rht` (the Random Hadamard Transform).
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ from fp8sim.kernels.amax import amax as _amax
 from fp8sim.kernels.block_quantize import block_quantize as _block_quantize
 from fp8sim.kernels.cast_transpose import cast_transpose as _cast_transpose
 from fp8sim.kernels.dequantize import dequantize as _dequantize
+from fp8sim.kernels.nvfp4_quantize import NVFP4Quantized
+from fp8sim.kernels.nvfp4_quantize import nvfp4_quantize as _nvfp4_quantize
 from fp8sim.kernels.quantize import quantize as _quantize
+from fp8sim.kernels.rht import rht as _rht
 from fp8sim.kernels.scaled_mm import scaled_mm as _scaled_mm
+from fp8sim.scaling import parse_granularity
 
 __all__ = ["TritonBackend"]
 
@@ -92,12 +99,52 @@ class TritonBackend(Backend):
                         margin: float, pow2: bool, epsilon: float
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See :meth:`Backend.block_quantize`; one kernel computes the group amaxes, scales and
-        codes (``kernels.block_quantize``, which also returns MX scales as E8M0 codes)."""
+        codes (``kernels.block_quantize``, which also returns MX scales as E8M0 codes). NVFP4:
+        the tensor amax pass, then ``kernels.nvfp4_quantize`` (codes one per byte; scale_inv the
+        decoded E4M3 block scales, amax the block amaxes, as ``fp8sim.scaling.quantize_scaled``)."""
+        gran = parse_granularity(granularity)
+        if gran.kind == "nvfp4":
+            q = _nvfp4_quantize(x.detach(), gran.block, gran.variant, pack=False,
+                                rounding=spec.rounding, seed=spec.seed, srbits=spec.srbits)
+            return q.codes, q.block_scale, q.block_amax
         codes, scale_inv, amax, _ = _block_quantize(
             x.detach(), spec.fmt, granularity, margin=margin, pow2=pow2, epsilon=epsilon,
             **spec.encode_kwargs(),
         )
         return codes, scale_inv, amax
+
+    def nvfp4_quantize(
+        self,
+        x: torch.Tensor,
+        granularity: str = "nvfp4",
+        *,
+        global_amax: Any = None,
+        rounding: str = "rne",
+        seed: int | None = None,
+        srbits: int | None = None,
+        pack: bool = True,
+    ) -> NVFP4Quantized:
+        """NVFP4 of ``x`` with an ``nvfp4[:LAYOUT][:VARIANT]`` granularity (``fp8sim.scaling``):
+        packed (``pack=True``) or one-per-byte E2M1 codes, E4M3 block-scale codes and values,
+        block amaxes, the tensor scale and the tensor amax it came from
+        (``kernels.nvfp4_quantize.NVFP4Quantized``), bit for bit
+        ``fp8sim.nvfp4.quantize_nvfp4_2d``. ``global_amax``: the tensor amax to use (None: x's,
+        NaN ignored). Stochastic rounding: ``seed`` (counter = flat index), ``srbits``."""
+        x = self.check_tensor(x)
+        gran = parse_granularity(granularity)
+        if gran.kind != "nvfp4":
+            raise ValueError("nvfp4_quantize: granularity must be nvfp4[:LAYOUT][:VARIANT], "
+                             f"got {granularity!r}")
+        spec = CastSpec("e2m1", rounding, True, seed, srbits)
+        return _nvfp4_quantize(x.detach(), gran.block, gran.variant, global_amax=global_amax,
+                               rounding=spec.rounding, seed=spec.seed, srbits=spec.srbits, pack=pack)
+
+    def rht(self, x: torch.Tensor, axis: int = -1, signs: Any = "te", *,
+            inverse: bool = False) -> torch.Tensor:
+        """``fp8sim.hadamard.rht(x, axis, signs, inverse=inverse)`` as a float32 tensor on x's
+        device, bit for bit (``kernels.rht``)."""
+        x = self.check_tensor(x)
+        return _rht(x.detach(), axis, signs, inverse=inverse)
 
     def scaled_mm(
         self,
