@@ -61,7 +61,8 @@ def test_native_cast_equals_emulator(tb, fmt):
     x = _inputs(fmt, 1 << 22)
     for scale in (1.0, 3.0e-3, 1024.0):
         codes, _ = tb[1].quantize(x.cuda(), fmt, scale)
-        want = fp8sim.encode(x.numpy() * np.float32(scale), fmt)
+        with np.errstate(over="ignore"):  # beyond float32: inf, as the GPU's product
+            want = fp8sim.encode(x.numpy() * np.float32(scale), fmt)
         assert torch.equal(codes.cpu(), torch.from_numpy(want)), scale
 
 
@@ -88,7 +89,8 @@ def _signed_specials(dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
     else:
         fdt = {np.uint16: np.float16, np.uint32: np.float32, np.uint64: np.float64}[uint]
         x = torch.from_numpy(raw.view(fdt).copy())
-        xf = raw.view(fdt).astype(np.float32)
+        with np.errstate(invalid="ignore"):  # float64 NaNs to float32
+            xf = raw.view(fdt).astype(np.float32)
     assert np.array_equal(np.signbit(xf), raw >> (8 * raw.itemsize - 1) == 1)
     return x, xf
 
@@ -101,10 +103,12 @@ def test_signed_nan_and_zero_on_gpu(tb, dtype):
     for fmt, be in (("e4m3", tb[0]), ("e4m3", tb[1]), ("e5m2", tb[1]), ("fp16", tb[0])):
         for scale in (1.0, 3.0e-3):
             codes, _ = be.quantize(x.cuda(), fmt, scale)
-            want = fp8sim.encode(xf * np.float32(scale), fmt)
+            with np.errstate(invalid="ignore"):  # NaN inputs
+                want = fp8sim.encode(xf * np.float32(scale), fmt)
             assert torch.equal(codes.cpu(), torch.from_numpy(want)), (fmt, scale, codes.cpu(), want)
     c, ct, _ = tb[0].cast_transpose(x.reshape(2, 5).cuda(), "e4m3", 2.0)
-    want = fp8sim.encode(xf.reshape(2, 5) * np.float32(2.0), "e4m3")
+    with np.errstate(invalid="ignore"):
+        want = fp8sim.encode(xf.reshape(2, 5) * np.float32(2.0), "e4m3")
     assert torch.equal(c.cpu(), torch.from_numpy(want)) and torch.equal(ct.cpu(), torch.from_numpy(want.T))
 
 
