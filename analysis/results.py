@@ -20,6 +20,7 @@ from fp8sim.analysis.json_output import check_json_path, json_text, write_json
 from fp8sim.analysis.records import (
     BadInput,
     Crossing,
+    LayerVerdict,
     Note,
     PolicySummary,
     ReplayCrossing,
@@ -95,7 +96,9 @@ class AnalysisResult:
     first; ``traces``: a :class:`~fp8sim.analysis.trace_summary.TraceSummary` per trace (its
     recorded statistics); ``notes`` and ``errors`` (bad inputs, with ``keep_going``);
     ``crossings``: the records that crossed a ``rules`` (``fail_on``) rule; ``files``: the files
-    and trace directories read.
+    and trace directories read; ``verdicts``: per trace, a
+    :class:`~fp8sim.analysis.records.LayerVerdict` per layer and role (ok / needs margin N /
+    needs finer scaling / keep in higher precision; the rule: :mod:`fp8sim.analysis.verdict`).
     """
 
     variants: tuple
@@ -106,6 +109,8 @@ class AnalysisResult:
     rules: tuple[FailRule, ...]
     crossings: tuple[Crossing, ...]
     files: tuple[str, ...]
+    #: per trace, a verdict per layer and role (:mod:`fp8sim.analysis.verdict`)
+    verdicts: tuple[LayerVerdict, ...] = ()
     #: histograms and traces in the order analyzed (plots are numbered in that order)
     plot_items: tuple = field(default=(), compare=False)
 
@@ -122,7 +127,8 @@ class AnalysisResult:
 
     def table(self, top: int | None = 50) -> str:
         """The command line's table: the records, worst first (``top`` rows; 0 or None: all),
-        then each trace's recorded statistics per tensor."""
+        then each trace's recorded statistics per tensor, and last each trace's verdict per
+        layer and role (every one)."""
         top = _check_top(top)
         parts = []
         if self.records:
@@ -132,6 +138,14 @@ class AnalysisResult:
             parts.append(format_trace_table([r.to_dict() for r in sort_worst_first_trace(list(t.tensors))]))
         if not self.records and not self.traces:
             parts.append("no float tensors analyzed")
+        from fp8sim.analysis.verdict import format_verdict_table
+
+        for t in self.traces:
+            mine = [v for v in self.verdicts if v.trace == t.path]
+            if mine:
+                parts.append(f"\ntrace {escape_cell(t.path)}: verdict per layer and role (judged in "
+                             "each tensor's recorded format, after its warm-up)")  # fmt: skip
+                parts.append(format_verdict_table(mine))
         return "\n".join(parts)
 
     def worst(self, n: int = 10) -> list[TensorRecord | TraceTensorRecord]:
@@ -144,7 +158,7 @@ class AnalysisResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object (docs/cli.md): variants, records, traces, notes, errors, summary,
-        fail_on."""
+        fail_on, verdicts."""
         return {
             "variants": [{"format": v.fmt.name, "scaling": v.scaling, "margin": v.margin,
                           "pow2": v.pow2} for v in self.variants],  # fmt: skip
@@ -154,6 +168,7 @@ class AnalysisResult:
             "errors": [e.to_dict() for e in self.errors],
             "summary": self.counts,
             "fail_on": [c.to_dict() for c in self.crossings],
+            "verdicts": [v.to_dict() for v in self.verdicts],
         }
 
     def to_json(self, path: str | os.PathLike | None = None) -> str | None:
