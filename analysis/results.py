@@ -35,6 +35,7 @@ from fp8sim.analysis.report import (
     format_table,
     format_trace_table,
     sort_worst_first,
+    text_table,
 )
 from fp8sim.analysis.trace_summary import TraceSummary, sort_worst_first_trace
 from fp8sim.errors import ArgumentError
@@ -290,9 +291,54 @@ class ReplayResult:
         return tuple(ReplayRecord(policy=rp.policy, **replay_row(rp, i))
                      for rp in self.replays for i in range(rp.cols["step"].size))  # fmt: skip
 
-    def table(self) -> str:
-        """The command line's table: one row per policy."""
-        return format_replay_table([p.to_dict() for p in self.policies])
+    def cells(self, by: str = "tensor") -> list[dict[str, Any]]:
+        """Per tensor (``by="tensor"``) or per layer (``"layer"``: the tensor name without its
+        role suffix, :func:`fp8sim.analysis.verdict.layer_of`) x policy, over that policy's
+        records of it: ``row``, ``policy``, ``records``, ``events`` (records whose amax
+        overflowed), ``overflow`` (``[lo, hi]``: overflowing values summed, equal when exact),
+        ``worst_underflow_pct`` (the largest underflow share of a record, percent, bracket
+        midpoint; None without records). Rows in the trace's tensor order, policies in order."""
+        from fp8sim.analysis.verdict import layer_of
+
+        if by not in ("tensor", "layer"):
+            raise ArgumentError.about("by", f" {by!r}: policy, tensor or layer")
+        key = (lambda n: n) if by == "tensor" else layer_of
+        rows: list[str] = []
+        present = sorted({int(t) for rp in self.replays for t in rp.cols["tensor"]})
+        names = self.replays[0].names if self.replays else []
+        for tid in present:
+            if key(names[tid]) not in rows:
+                rows.append(key(names[tid]))
+        out = []
+        for row in rows:
+            for rp in self.replays:
+                c = rp.cols
+                sel = np.array([key(rp.names[int(t)]) == row for t in c["tensor"]], bool)
+                n = int(sel.sum())
+                us = rp.underflow_share[sel]
+                out.append({"row": row, "policy": rp.policy, "records": n,
+                            "events": int(c["event"][sel].sum()),
+                            "overflow": [int(c["overflow_lo"][sel].sum()), int(c["overflow_hi"][sel].sum())],
+                            "worst_underflow_pct": 100.0 * float(us.max()) if n else None})  # fmt: skip
+        return out
+
+    def table(self, by: str = "policy") -> str:
+        """The command line's table: one row per policy (``by="policy"``), or one row per tensor
+        (``"tensor"``) or layer (``"layer"``) and a column per policy, each cell ``events /
+        overflowing values / worst underflow share`` (:meth:`cells`; ``-``: no record)."""
+        if by == "policy":
+            return format_replay_table([p.to_dict() for p in self.policies])
+        cells = self.cells(by)
+        pols = [rp.policy for rp in self.replays]
+        grid: dict[str, dict[str, str]] = {}
+        for c in cells:
+            lo, hi = c["overflow"]
+            text = "-" if not c["records"] else (
+                f"{c['events']} / {lo if lo == hi else f'{lo}..{hi}'} / {c['worst_underflow_pct']:.3g}%")
+            grid.setdefault(c["row"], {})[c["policy"]] = text
+        rows = [[r, *(grid[r][p] for p in pols)] for r in grid]
+        legend = "cells: overflow events / overflowing values / worst underflow share of a record"
+        return text_table([by, *pols], rows, right=set(range(1, len(pols) + 1))) + "\n" + legend
 
     def worst(self, n: int = 10) -> list[ReplayRecord]:
         """The ``n`` worst records over all policies: by overflow share, then underflow share

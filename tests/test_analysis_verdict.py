@@ -212,3 +212,56 @@ def test_cli_ends_with_the_verdict_lines(trace, capsys):
         ["l0", "activation"], ["l0", "weight"], ["l0", "grad_output"], ["l1", "activation"],
         ["l1", "weight"], ["l2", "activation"], ["l2", "weight"]]  # fmt: skip
     assert "e5m2" in last[2] and " ok " in last[2]
+
+
+# ------------------------------------------------------------------------------------------
+# replay --by tensor|layer
+# ------------------------------------------------------------------------------------------
+def _expected_cells(doc: dict, key) -> dict:
+    """(row, policy) -> cell text, from the per-record JSON."""
+    out: dict = {}
+    for pol, recs in doc["records"].items():
+        acc: dict = {}
+        for r in recs:
+            a = acc.setdefault(key(r["tensor"]), [0, 0, 0, 0.0])
+            a[0] += r["event"]
+            a[1] += r["overflow"][0]
+            a[2] += r["overflow"][1]
+            lo, hi = r["underflow_share"]
+            a[3] = max(a[3], 0.0 if lo is None else 100.0 * (lo + hi) / 2)
+        for row, (ev, lo, hi, wu) in acc.items():
+            out[row, pol] = f"{ev} / {lo if lo == hi else f'{lo}..{hi}'} / {wu:.3g}%"
+    return out
+
+
+@pytest.mark.parametrize("by", ["tensor", "layer"])
+def test_replay_by_table_against_the_per_record_json(trace, tmp_path, capsys, by):
+    js = tmp_path / "r.json"
+    rc = cli.main(["replay", str(trace[0]), "--policy", "delayed:history=2", "--policy", "current:pow2",
+                   "--by", by, "--json", str(js)])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out.splitlines()
+    doc = json.loads(js.read_text())
+    expected = _expected_cells(doc, (lambda n: n) if by == "tensor" else layer_of)
+    pols = [p["policy"] for p in doc["policies"]]
+    assert out[0].split() == [by, *pols]
+    assert out[-1].startswith("cells: overflow events")
+    rows = out[2:-1]
+    assert len(rows) == len({r for r, _ in expected})
+    assert [ln.split()[0] for ln in rows] == list(dict.fromkeys(r for r, _ in expected))
+    for ln in rows:
+        row = ln.split()[0]
+        cells = [c.strip() for c in ln[len(row):].split("  ") if c.strip()]
+        assert cells == [expected[row, p] for p in pols]
+    # the recorded scales overflowed l0.weight once (one value): its event is in the table
+    if by == "tensor":
+        assert expected["l0.weight", "recorded"].startswith("1 / 1 / ")
+
+
+def test_replay_by_default_is_the_policy_table(trace):
+    from fp8sim.analysis import replay
+
+    res = replay(str(trace[0]), ["current"])
+    assert res.table() == res.table(by="policy") and res.table().split()[0] == "policy"
+    with pytest.raises(ValueError, match="by"):
+        res.table(by="step")
