@@ -11,7 +11,8 @@ From Python::
 
 Modules: :mod:`.api` (:func:`analyze`, :func:`replay`), :mod:`.results` and :mod:`.records`
 (what they return), :mod:`.dumps` (loading, FP8 companion scales), :mod:`.stats` (numba
-statistics), :mod:`.trace_summary` (a trace's recorded statistics), :mod:`.policy_replay`
+statistics), :mod:`.trace_summary` (a trace's recorded statistics), :mod:`.verdict` (per-layer
+verdicts of a trace), :mod:`.policy_replay`
 (policies over traces, the columns), :mod:`.report` (classes, tables, ``fail_on`` rules),
 :mod:`.json_output` (JSON files), :mod:`.plots` (PNG), :mod:`.commands` (``fp8sim analyze`` /
 ``replay``), :mod:`.demo` (``fp8sim demo``).
@@ -40,6 +41,7 @@ _EXPORTS = {
     "PolicySummary": "fp8sim.analysis.records",
     "ReplayRecord": "fp8sim.analysis.records",
     "ReplayCrossing": "fp8sim.analysis.records",
+    "LayerVerdict": "fp8sim.analysis.records",
     "TraceSummary": "fp8sim.analysis.trace_summary",
 }
 
@@ -50,6 +52,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from fp8sim.analysis.records import (
         BadInput,
         Crossing,
+        LayerVerdict,
         Note,
         PolicySummary,
         ReplayCrossing,

@@ -208,6 +208,7 @@ def analyze(
     from fp8sim.analysis.report import classify, escape_cell, failures, sort_worst_first
     from fp8sim.analysis.stats import tensor_stats
     from fp8sim.analysis.trace_summary import summarize_trace
+    from fp8sim.analysis.verdict import layer_verdicts
 
     variants, rules, th, block = _checked_options(
         formats, scalings, margin, pow2, fail_on, underflow_warning, underflow_critical,
@@ -232,7 +233,7 @@ def analyze(
     notes += link_fp8_scales(dumps, fp8_scales, block, bad)
     total = 2 * sum(t.numel for d in dumps for t in d.tensors if t.is_float)
     records: list[dict] = []
-    traces, plot_items = [], []
+    traces, plot_items, verdicts = [], [], []
     bar = _progress(total, progress, "elem")
     try:
         for dump in dumps:
@@ -246,6 +247,10 @@ def analyze(
                 else:
                     traces.append(summary)
                     plot_items.append(summary)
+                    try:
+                        verdicts += layer_verdicts(dump.path, dump.trace, th.underflow_warning)
+                    except ValueError as exc:  # a corrupt saved tensor
+                        bad(dump.path, exc)
             for src in dump.tensors:
                 bar.set_description(escape_cell(src.name)[-30:], refresh=False)
                 if not src.is_float:
@@ -284,6 +289,7 @@ def analyze(
         rules=tuple(rules),
         crossings=tuple(Crossing(str(rule), r["name"], r["format"], r["scaling"]) for rule, r in crossed),
         files=tuple(files),
+        verdicts=tuple(verdicts),
         plot_items=tuple(plot_items),
     )  # fmt: skip
 

@@ -125,6 +125,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--json", metavar="FILE", help="write JSON to FILE ('-' for stdout)")
     r.add_argument("--plot", metavar="DIR", help="write PNG heatmaps into DIR")
     r.add_argument("--no-recorded", action="store_true", help="leave out the trace's own scales")
+    r.add_argument("--by", choices=("policy", "tensor", "layer"), default="policy",
+                   help="table rows: one per policy (default), or per tensor / per layer with a "
+                        "column per policy (cells: overflow events / overflowing values / worst "
+                        "underflow share)")  # fmt: skip
     r.add_argument("--fail-on", metavar="RULES",
                    help='e.g. "overflow>0,underflow>1%%,events>2": exit 1 if any policy crosses one at '
                         "any tensor and step (overflow/underflow: count, or %% of the finite/nonzero "
@@ -139,7 +143,7 @@ ANALYZE_FLAGS = {"formats": "--format", "scalings": "--scaling", "margin": "--ma
                  "fp8_block": "--fp8-block", "chunk": "--chunk", "top": "--top", "path": "--json",
                  "directory": "--plot"}  # fmt: skip
 REPLAY_FLAGS = {"policies": "--policy", "fail_on": "--fail-on", "path": "--json",
-                "directory": "--plot"}  # fmt: skip
+                "directory": "--plot", "by": "--by"}  # fmt: skip
 
 
 def _msg(text: str) -> None:
@@ -225,7 +229,7 @@ def run_replay(args: argparse.Namespace) -> int:
                         fail_on=args.fail_on, progress=args.json is None and sys.stderr.isatty())  # fmt: skip
         _write_json(result, args.json)
         if args.json != "-":
-            print(result.table())
+            print(result.table(by=args.by))
         if plot_dir is not None:
             result.plot(plot_dir)
     from fp8sim.analysis.policy_replay import RECORDED, needs_full_tensors
@@ -252,6 +256,8 @@ def _run_allreduce(args: argparse.Namespace) -> int:
         raise ValueError("replay: --allreduce and --policy are separate replays; give one of them")
     if args.fail_on is not None:
         raise ValueError("replay: --fail-on applies to --policy replays, not to --allreduce")
+    if args.by != "policy":
+        raise ValueError("replay: --by applies to --policy replays, not to --allreduce")
     result = replay_allreduce(args.trace, args.allreduce)
     if args.json == "-":
         sys.stdout.write(json_text(result) + "\n")

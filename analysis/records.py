@@ -20,6 +20,7 @@ __all__ = [
     "PolicySummary",
     "ReplayRecord",
     "ReplayCrossing",
+    "LayerVerdict",
 ]
 
 
@@ -212,3 +213,45 @@ class ReplayCrossing(_JsonRecord):
     policy: str
     tensor: str
     step: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerVerdict(_JsonRecord):
+    """Whether one layer's tensor of one role can go FP8, from a trace (the rule:
+    :mod:`fp8sim.analysis.verdict`, docs/analysis.md). Judged in ``format``, the format the
+    trace records for the tensor, over the steps after its warm-up.
+
+    ``verdict``: ``ok``, ``needs margin``, ``needs finer scaling`` or ``keep in higher
+    precision``; ``text`` the line shown (``needs margin 2``, ``needs finer scaling (best:
+    block:1x128)``, ``... (estimate)``). ``margin``: binades of margin that remove every
+    overflow the recorded scales had after warm-up (None: none overflowed). ``basis``:
+    ``histogram`` (exact counts from the trace's histograms), ``saved tensors`` (finer scalings
+    cast exactly from saved full tensors) or ``estimate`` (the histogram criterion).
+    ``jit_underflow_pct`` / ``_step``: the worst step's underflow share under ideal just-in-time
+    power-of-two per-tensor scaling; ``finer_underflow_pct``: the best finer scaling's worst
+    underflow share over the saved steps (None when not computed; with ``estimate``, the
+    criterion's share). ``warmup_*``: the warm-up records, reported apart (their recorded
+    overflow and worst underflow share; None/0 when there is no warm-up). Shares in percent."""
+
+    trace: str
+    layer: str
+    role: str
+    tensor: str
+    format: str
+    verdict: str
+    text: str
+    margin: int | None
+    best_scaling: str | None
+    basis: str
+    steps: int
+    overflow: int
+    overflow_steps: int
+    underflow_pct: float
+    jit_underflow_pct: float
+    jit_underflow_step: int | None
+    finer_underflow_pct: float | None
+    warmup_steps: int
+    warmup_first_step: int | None
+    warmup_last_step: int | None
+    warmup_overflow: int
+    warmup_worst_underflow_pct: float | None

@@ -20,6 +20,7 @@ from fp8sim.analysis.json_output import check_json_path, json_text, write_json
 from fp8sim.analysis.records import (
     BadInput,
     Crossing,
+    LayerVerdict,
     Note,
     PolicySummary,
     ReplayCrossing,
@@ -34,6 +35,7 @@ from fp8sim.analysis.report import (
     format_table,
     format_trace_table,
     sort_worst_first,
+    text_table,
 )
 from fp8sim.analysis.trace_summary import TraceSummary, sort_worst_first_trace
 from fp8sim.errors import ArgumentError
@@ -95,7 +97,9 @@ class AnalysisResult:
     first; ``traces``: a :class:`~fp8sim.analysis.trace_summary.TraceSummary` per trace (its
     recorded statistics); ``notes`` and ``errors`` (bad inputs, with ``keep_going``);
     ``crossings``: the records that crossed a ``rules`` (``fail_on``) rule; ``files``: the files
-    and trace directories read.
+    and trace directories read; ``verdicts``: per trace, a
+    :class:`~fp8sim.analysis.records.LayerVerdict` per layer and role (ok / needs margin N /
+    needs finer scaling / keep in higher precision; the rule: :mod:`fp8sim.analysis.verdict`).
     """
 
     variants: tuple
@@ -106,6 +110,8 @@ class AnalysisResult:
     rules: tuple[FailRule, ...]
     crossings: tuple[Crossing, ...]
     files: tuple[str, ...]
+    #: per trace, a verdict per layer and role (:mod:`fp8sim.analysis.verdict`)
+    verdicts: tuple[LayerVerdict, ...] = ()
     #: histograms and traces in the order analyzed (plots are numbered in that order)
     plot_items: tuple = field(default=(), compare=False)
 
@@ -122,7 +128,8 @@ class AnalysisResult:
 
     def table(self, top: int | None = 50) -> str:
         """The command line's table: the records, worst first (``top`` rows; 0 or None: all),
-        then each trace's recorded statistics per tensor."""
+        then each trace's recorded statistics per tensor, and last each trace's verdict per
+        layer and role (every one)."""
         top = _check_top(top)
         parts = []
         if self.records:
@@ -132,6 +139,14 @@ class AnalysisResult:
             parts.append(format_trace_table([r.to_dict() for r in sort_worst_first_trace(list(t.tensors))]))
         if not self.records and not self.traces:
             parts.append("no float tensors analyzed")
+        from fp8sim.analysis.verdict import format_verdict_table
+
+        for t in self.traces:
+            mine = [v for v in self.verdicts if v.trace == t.path]
+            if mine:
+                parts.append(f"\ntrace {escape_cell(t.path)}: verdict per layer and role (judged in "
+                             "each tensor's recorded format, after its warm-up)")  # fmt: skip
+                parts.append(format_verdict_table(mine))
         return "\n".join(parts)
 
     def worst(self, n: int = 10) -> list[TensorRecord | TraceTensorRecord]:
@@ -144,7 +159,7 @@ class AnalysisResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object (docs/cli.md): variants, records, traces, notes, errors, summary,
-        fail_on."""
+        fail_on, verdicts."""
         return {
             "variants": [{"format": v.fmt.name, "scaling": v.scaling, "margin": v.margin,
                           "pow2": v.pow2} for v in self.variants],  # fmt: skip
@@ -154,6 +169,7 @@ class AnalysisResult:
             "errors": [e.to_dict() for e in self.errors],
             "summary": self.counts,
             "fail_on": [c.to_dict() for c in self.crossings],
+            "verdicts": [v.to_dict() for v in self.verdicts],
         }
 
     def to_json(self, path: str | os.PathLike | None = None) -> str | None:
@@ -275,9 +291,54 @@ class ReplayResult:
         return tuple(ReplayRecord(policy=rp.policy, **replay_row(rp, i))
                      for rp in self.replays for i in range(rp.cols["step"].size))  # fmt: skip
 
-    def table(self) -> str:
-        """The command line's table: one row per policy."""
-        return format_replay_table([p.to_dict() for p in self.policies])
+    def cells(self, by: str = "tensor") -> list[dict[str, Any]]:
+        """Per tensor (``by="tensor"``) or per layer (``"layer"``: the tensor name without its
+        role suffix, :func:`fp8sim.analysis.verdict.layer_of`) x policy, over that policy's
+        records of it: ``row``, ``policy``, ``records``, ``events`` (records whose amax
+        overflowed), ``overflow`` (``[lo, hi]``: overflowing values summed, equal when exact),
+        ``worst_underflow_pct`` (the largest underflow share of a record, percent, bracket
+        midpoint; None without records). Rows in the trace's tensor order, policies in order."""
+        from fp8sim.analysis.verdict import layer_of
+
+        if by not in ("tensor", "layer"):
+            raise ArgumentError.about("by", f" {by!r}: policy, tensor or layer")
+        key = (lambda n: n) if by == "tensor" else layer_of
+        rows: list[str] = []
+        present = sorted({int(t) for rp in self.replays for t in rp.cols["tensor"]})
+        names = self.replays[0].names if self.replays else []
+        for tid in present:
+            if key(names[tid]) not in rows:
+                rows.append(key(names[tid]))
+        out = []
+        for row in rows:
+            for rp in self.replays:
+                c = rp.cols
+                sel = np.array([key(rp.names[int(t)]) == row for t in c["tensor"]], bool)
+                n = int(sel.sum())
+                us = rp.underflow_share[sel]
+                out.append({"row": row, "policy": rp.policy, "records": n,
+                            "events": int(c["event"][sel].sum()),
+                            "overflow": [int(c["overflow_lo"][sel].sum()), int(c["overflow_hi"][sel].sum())],
+                            "worst_underflow_pct": 100.0 * float(us.max()) if n else None})  # fmt: skip
+        return out
+
+    def table(self, by: str = "policy") -> str:
+        """The command line's table: one row per policy (``by="policy"``), or one row per tensor
+        (``"tensor"``) or layer (``"layer"``) and a column per policy, each cell ``events /
+        overflowing values / worst underflow share`` (:meth:`cells`; ``-``: no record)."""
+        if by == "policy":
+            return format_replay_table([p.to_dict() for p in self.policies])
+        cells = self.cells(by)
+        pols = [rp.policy for rp in self.replays]
+        grid: dict[str, dict[str, str]] = {}
+        for c in cells:
+            lo, hi = c["overflow"]
+            text = "-" if not c["records"] else (
+                f"{c['events']} / {lo if lo == hi else f'{lo}..{hi}'} / {c['worst_underflow_pct']:.3g}%")
+            grid.setdefault(c["row"], {})[c["policy"]] = text
+        rows = [[r, *(grid[r][p] for p in pols)] for r in grid]
+        legend = "cells: overflow events / overflowing values / worst underflow share of a record"
+        return text_table([by, *pols], rows, right=set(range(1, len(pols) + 1))) + "\n" + legend
 
     def worst(self, n: int = 10) -> list[ReplayRecord]:
         """The ``n`` worst records over all policies: by overflow share, then underflow share

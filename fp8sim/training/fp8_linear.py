@@ -53,7 +53,7 @@ from fp8sim.scaling import MX_BLOCK
 from fp8sim.trace import cast_thresholds
 from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe
 
-__all__ = ["Fp8State", "Fp8Linear", "Fp8Operand", "convert_to_fp8", "get_fp8_state", "fp8_linears"]
+__all__ = ["Fp8State", "Fp8Linear", "Fp8Operand", "convert_to_fp8", "get_fp8_state", "fp8_linears", "is_hf_conv1d"]
 
 #: a recorder tap: (tensor name, role, float tensor as cast, cast, scale used, operand)
 Tap = Callable[[str, str, torch.Tensor, CastConfig, Any, "Fp8Operand"], None]
@@ -469,7 +469,7 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, module: nn.Module, name: str, state: Fp8State) -> None:
         super().__init__()
-        self.transposed = _is_hf_conv1d(module)
+        self.transposed = is_hf_conv1d(module)
         if self.transposed:
             self.in_features, self.out_features = module.weight.shape
         else:
@@ -536,7 +536,7 @@ def fp8_linears_first(layer: Fp8Linear) -> bool:
     return layer.state.first_layer == layer.name
 
 
-def _is_hf_conv1d(module: nn.Module) -> bool:
+def is_hf_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (checked by class, without importing
     transformers): weight (in, out), ``y = x W + b``."""
     return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers.") for c in type(module).__mro__)
@@ -605,13 +605,13 @@ def convert_to_fp8(
     targets = [
         (name, mod)
         for name, mod in model.named_modules()
-        if (isinstance(mod, nn.Linear) or _is_hf_conv1d(mod)) and name and module_filter_fn(mod, name)
+        if (isinstance(mod, nn.Linear) or is_hf_conv1d(mod)) and name and module_filter_fn(mod, name)
     ]
-    if isinstance(model, nn.Linear) or _is_hf_conv1d(model):
+    if isinstance(model, nn.Linear) or is_hf_conv1d(model):
         raise ValueError("convert_to_fp8: model is itself a linear layer; wrap it (nn.Sequential(layer)) so it can "
                          "be replaced in place")
     if not targets:
-        found = sum(1 for _, m in model.named_modules() if isinstance(m, nn.Linear) or _is_hf_conv1d(m))
+        found = sum(1 for _, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m))
         why = (f"module_filter_fn (or, without one, the recipe's skip list {linear_recipe.skip}) rejected all "
                f"{found} nn.Linear / Conv1D modules" if found else "the model has no nn.Linear or Conv1D module")
         raise ValueError(f"convert_to_fp8: nothing converted: {why}")

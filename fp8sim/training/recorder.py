@@ -6,9 +6,11 @@ Two sources, one trace format:
   input activations, weights, output gradients (and weight gradients where the recipe casts
   them) -- with the scale the policy actually used; plus every FP8 linear's weight gradient after
   accumulation, recorded against the output-gradient format and the recorder's own policy;
-* any other PyTorch model: forward/backward hooks on its ``nn.Linear`` modules capture the same
-  roles, and the recorder runs a recipe's policies (default ``te-delayed``) to give the scale each
-  tensor *would* have been cast with.
+* any other PyTorch model: forward/backward hooks on its ``nn.Linear`` modules (subclasses too)
+  and Hugging Face ``Conv1D`` modules (GPT-2's projections; their weight, stored transposed, is
+  recorded as ``(out, in)`` like a linear's) capture the same roles, and the recorder runs a
+  recipe's policies (default ``te-delayed``) to give the scale each tensor *would* have been
+  cast with.
 
 Per step and tensor the trace keeps amax, scale, overflow/underflow counts and the |x| histogram
 (computed by :meth:`fp8sim.trace.TraceWriter.record`); with ``save_every=K`` also the full tensors
@@ -31,7 +33,7 @@ import torch.nn as nn
 
 from fp8sim.formats import get_format
 from fp8sim.trace import TraceReader, TraceWriter
-from fp8sim.training.fp8_linear import Fp8Operand, fp8_linears, get_fp8_state
+from fp8sim.training.fp8_linear import Fp8Operand, fp8_linears, get_fp8_state, is_hf_conv1d
 from fp8sim.training.recipes import CastConfig, get_recipe
 
 __all__ = ["Recorder", "record"]
@@ -103,7 +105,8 @@ class Recorder:
             self.state.taps.append(self._on_cast)
             layers = [(m.name, m) for m in fp8_linears(self.model)]
         else:
-            layers = [(n, m) for n, m in self.model.named_modules() if isinstance(m, nn.Linear)]
+            layers = [(n, m) for n, m in self.model.named_modules()
+                      if isinstance(m, nn.Linear) or is_hf_conv1d(m)]  # fmt: skip
             for name, mod in layers:
                 self._handles.append(mod.register_forward_pre_hook(self._make_forward_hook(name)))
                 self._handles.append(mod.register_forward_hook(self._make_output_hook(name)))
@@ -113,7 +116,8 @@ class Recorder:
                 if id(mod.weight) in seen:  # a tied weight is recorded once
                     continue
                 seen.add(id(mod.weight))
-                self._handles.append(mod.weight.register_post_accumulate_grad_hook(self._make_wgrad_hook(name)))
+                self._handles.append(mod.weight.register_post_accumulate_grad_hook(
+                    self._make_wgrad_hook(name, self.state is None and is_hf_conv1d(mod))))
 
     @torch.compiler.disable  # a Python step counter: traced, it would be a guard (a recompile a step)
     def _root_pre_forward(self, module, args) -> None:
@@ -131,7 +135,10 @@ class Recorder:
                 return  # a checkpointed forward recomputed in backward: recorded the first time
             x = args[0].detach()
             self._record_hypothetical(f"{name}.input", "activation", x.reshape(-1, x.shape[-1]))
-            self._record_hypothetical(f"{name}.weight", "weight", module.weight.detach())
+            w = module.weight.detach()
+            # HF Conv1D stores W^T (in, out): recorded as W (out, in), as nn.Linear's and as the
+            # FP8 model casts it
+            self._record_hypothetical(f"{name}.weight", "weight", w.t() if is_hf_conv1d(module) else w)
 
         return hook
 
@@ -151,10 +158,11 @@ class Recorder:
 
         return hook
 
-    def _make_wgrad_hook(self, name: str):
+    def _make_wgrad_hook(self, name: str, transposed: bool = False):
         def hook(param: torch.Tensor) -> None:
             if param.grad is not None and self.step >= 1 and self._training_forward:
-                self._record_hypothetical(f"{name}.weight_grad", "weight_grad", param.grad.detach())
+                g = param.grad.detach()  # a Conv1D's (in, out) gradient is recorded as (out, in)
+                self._record_hypothetical(f"{name}.weight_grad", "weight_grad", g.t() if transposed else g)
 
         return hook
 
@@ -267,8 +275,9 @@ def _check_same_run(path: Path, meta: dict) -> None:
 
 
 def record(model: nn.Module, path: str | os.PathLike, **kwargs) -> Recorder:
-    """Record ``model``'s FP8 tensors (or, for a plain model, its linear layers' tensors under the
-    ``recipe`` keyword's policies, default ``te-delayed``) into the trace directory ``path``.
+    """Record ``model``'s FP8 tensors (or, for a plain model, its ``nn.Linear`` and HF ``Conv1D``
+    layers' tensors under the ``recipe`` keyword's policies, default ``te-delayed``) into the
+    trace directory ``path``.
 
     Works with any PyTorch training loop::
 
