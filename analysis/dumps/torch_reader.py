@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from fp8sim.input_files import open_regular
 from fp8sim.analysis.dumps.core import (
     RAW_DTYPES,
     FLOAT_DTYPES,
@@ -113,7 +114,7 @@ def _load_legacy_layout(path: str) -> tuple[Any, dict[int, int]]:
         return torch.storage.TypedStorage(wrap_storage=roots[key][0], dtype=dtype, _internal=True)
 
     size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         try:
             head = [Unpickler(f, encoding="utf-8").load() for _ in range(3)]
         except Exception as exc:  # tar-era files, raw pickles, garbage: torch.load decides

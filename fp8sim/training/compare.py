@@ -7,11 +7,12 @@ live tensors at the end of the run.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from fp8sim.training.trainer import read_metrics
+from fp8sim.input_files import read_json
+
+from fp8sim.training.trainer import check_summary, read_metrics
 
 __all__ = ["load_run", "compare_runs", "plot_loss_curves", "format_comparison"]
 
@@ -26,22 +27,17 @@ def load_run(run_dir: str | os.PathLike) -> dict:
     cfg = summary.get("config") or _read_json(run_dir / "config.json")
     if not isinstance(cfg, dict):
         raise ValueError(f"{run_dir}: corrupt run: its config is not a JSON object")
-    for key, kinds in (("memory_bytes_per_param", dict), ("comm_bytes_per_step", dict),
-                       ("median_step_time_s", (int, float))):  # fmt: skip
-        if summary.get(key) is not None and not isinstance(summary[key], kinds):
-            raise ValueError(f"{run_dir / 'run.json'}: corrupt: {key} is a {type(summary[key]).__name__}")
+    check_summary(run_dir / "run.json", summary)  # numbers where numbers belong
     name = f"{cfg.get('recipe', '?')}/{cfg.get('backend', '?')}" if cfg else run_dir.name
     return {"dir": str(run_dir), "name": name, "metrics": rows, "summary": summary}
 
 
 def _read_json(path: Path) -> dict:
-    """A JSON object file ({} when absent); ValueError naming it when it is no JSON object."""
-    if not path.is_file():
+    """A JSON object file ({} when absent); ValueError naming it when it is no JSON object, or no
+    regular file (a FIFO is never opened), or longer than :data:`fp8sim.input_files.MAX_JSON_BYTES`."""
+    if not os.path.lexists(path):
         return {}
-    try:
-        obj = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{path}: corrupt JSON ({exc})") from None
+    obj = read_json(path, what="JSON file")
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: corrupt: not a JSON object")
     return obj

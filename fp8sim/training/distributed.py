@@ -421,7 +421,9 @@ def train_distributed(
         from fp8sim.training.spawn import spawn_ranks
 
         spawn_ranks(world, cfg.to_dict(), str(out), opts)
-    return json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
+    from fp8sim.training.trainer import read_summary
+
+    return read_summary(out / "run.json") if (out / "run.json").is_file() else {}
 
 
 def run_rank(rank: int, world: int, cfg_dict: dict, out: str, init_file: str | None, opts: dict) -> None:
