@@ -236,6 +236,7 @@ def _trace_rows(dump, th) -> tuple[list[dict], dict]:
     """Per-tensor rows of a trace's recorded statistics (all steps), and heatmap data. Several
     records of a tensor in one step (micro-batches) count as one step: their counts add up."""
     from fp8sim.analysis.report import classify
+    from fp8sim.nan_aware import max_or_nan
 
     reader = dump.trace
     sc = reader.scalars()
@@ -257,6 +258,7 @@ def _trace_rows(dump, th) -> tuple[list[dict], dict]:
         ov, un = int(over[sel].sum()), int(under[sel].sum())
         us = un_share[sel]
         w = int(np.argmax(us))
+        amax = sc["amax"][rsel]
         row = {
             "name": t.name,
             "file": dump.path,
@@ -266,7 +268,9 @@ def _trace_rows(dump, th) -> tuple[list[dict], dict]:
             "shape": list(t.shape),
             "steps": int(sel.sum()),
             "numel": int(numel[sel].sum()),
-            "amax": float(np.nanmax(sc["amax"][rsel])) if np.isfinite(sc["amax"][rsel]).any() else None,
+            # NaN when a step's amax is NaN (shown "nan"; JSON: null and amax_nan_steps > 0)
+            "amax": max_or_nan(amax.tolist()) if not np.isinf(amax).all() else None,
+            "amax_nan_steps": int(np.isnan(amax).sum()),
             "scale": float(sc["scale"][rsel][-1]),
             "overflow": ov,
             "underflow": un,

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from fp8sim.nan_aware import worst_first
+
 __all__ = [
     "Thresholds",
     "classify",
@@ -107,12 +109,11 @@ def sort_worst_first(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """By class, then overflow share, underflow share, and SQNR (lowest first)."""
 
     def key(r: dict[str, Any]):
-        sq = sqnr_value(r)
         return (
             STATUS_ORDER[r["status"]],
-            -r["overflow_pct"],
-            -r["underflow_pct"],
-            math.inf if sq is None else sq,  # undefined last
+            worst_first(r["overflow_pct"]),  # a NaN figure first: it is never sorted out of sight
+            worst_first(r["underflow_pct"]),
+            worst_first(sqnr_value(r), higher_is_worse=False),  # undefined last
             r["name"],
         )
 
@@ -256,6 +257,8 @@ class FailRule:
             v = math.inf  # value beyond float32's range)
         if v is None:  # undefined
             return False
+        if isinstance(v, float) and math.isnan(v):  # a NaN figure crosses every rule on it: it
+            return True  # cannot be shown to keep to one, and a gate must not let it through
         return _OPS[self.op](v, self.value)
 
 

@@ -101,3 +101,135 @@ def test_a_fifo_in_a_corpus_directory_or_as_the_config_of_fp8_scales(tmp_path):
     os.mkfifo(d / "b.txt")
     with pytest.raises(ValueError, match="b.txt: a named pipe"):
         load_corpus(d)
+
+
+# ---- 3. memory bounded by what is used, not by the file ----------------------------------------
+def test_trace_detection_reads_trace_json_with_a_bound(tmp_path, monkeypatch, capsys):
+    from fp8sim.trace import layout
+
+    t = make_trace(tmp_path / "t")
+    meta = json.loads((t / "trace.json").read_text())
+    meta["config"] = {"pad": "x" * (4 << 20)}  # a 4 MiB trace.json, the schema first
+    (t / "trace.json").write_text(json.dumps(meta))
+    assert is_trace(t)  # under the default bound: a trace
+    monkeypatch.setattr(layout, "MAX_TRACE_JSON_BYTES", 1 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"trace.json \(more than 1048576 bytes"):
+            is_trace(t)
+        with pytest.raises(ValueError, match=r"trace.json: trace.json of more than 1048576 bytes"):
+            TraceReader(t)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 << 20  # never the whole file (4 MiB, and its parse)
+    rc, _, err = run(capsys, "replay", t, "--policy", "current")
+    assert rc == 2 and err.count("\n") == 1 and "more than 1048576 bytes" in err
+
+
+def test_train_data_reads_at_most_the_cap(tmp_path):
+    from fp8sim.training.data import load_corpus
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # 256 MiB, sparse: no disk, and reading it whole costs 256 MiB
+        f.write(b"abc" * 1000)
+        f.truncate(256 << 20)
+    tracemalloc.start()
+    try:
+        corpus = load_corpus(big, max_bytes=64 << 10)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert corpus.num_bytes == 64 << 10
+    assert bytes(corpus.train[:6].numpy()) == b"abcabc"
+    assert peak < 8 << 20, peak
+
+
+# ---- 5. every number read back is checked; damaged input is exit 2 naming the file -------------
+def _rewrite_chunk(path: Path, **change) -> None:
+    with np.load(path) as z:
+        cols = {k: z[k] for k in z.files}
+    cols.update(change)
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **cols)
+
+
+def _first_chunk(t: Path) -> Path:
+    return sorted((t / "chunks").iterdir())[0]
+
+
+@pytest.mark.parametrize("column, value, says", [
+    ("scale", lambda c: c.astype(str), "column scale is <U"),
+    ("amax", lambda c: c.astype(np.int64), "column amax is int64, not a float column"),
+    ("step", lambda c: c.astype(np.float64), "column step is float64, not an integer column"),
+    ("nan", lambda c: c.astype(bool), "column nan is bool"),
+    ("numel", lambda c: c.reshape(1, -1), "column numel has shape"),
+])  # fmt: skip
+def test_trace_columns_of_the_wrong_dtype_fail_alike_in_analyze_and_replay(tmp_path, capsys, column,
+                                                                           value, says):  # fmt: skip
+    t = make_trace(tmp_path / "t")
+    c = _first_chunk(t)
+    with np.load(c) as z:
+        _rewrite_chunk(c, **{column: value(z[column])})
+    for argv in (["replay", t, "--policy", "current"], ["analyze", t]):
+        rc, _, err = run(capsys, *argv)
+        assert rc == 2, (argv, err)
+        assert err.count("\n") == 1 and f"{c.name}: corrupt trace chunk: {says}" in err, err
+
+
+def test_wrapped_integers_do_not_pass_the_consistency_checks(tmp_path, capsys):
+    """uint64 counts chosen so that zero + nan + inf + total == numel holds in wrapped int64
+    arithmetic: 2**64 - 1 counts as -1 there."""
+    t = make_trace(tmp_path / "t")
+    c = _first_chunk(t)
+    with np.load(c) as z:
+        numel, nan = z["numel"].astype(np.uint64), z["nan"].astype(np.uint64)
+    wrapped = nan.copy()
+    wrapped[0] = np.uint64(2**64 - 1)  # + 1 more zero below: the sum still "equals" numel
+    with np.load(c) as z:
+        zero = z["zero"].astype(np.uint64)
+    zero[0] += np.uint64(1)
+    _rewrite_chunk(c, nan=wrapped, zero=zero, numel=numel)
+    with pytest.raises(ValueError, match="corrupt trace chunk: column nan holds 18446744073709551615"):
+        TraceReader(t).scalars()
+    rc, _, err = run(capsys, "analyze", t)
+    assert rc == 2 and "column nan holds" in err
+
+
+def test_uint64_histogram_offsets_cannot_wrap_past_the_order_check(tmp_path):
+    t = make_trace(tmp_path / "t")
+    c = _first_chunk(t)
+    with np.load(c) as z:
+        off = z["hist_offsets"].astype(np.uint64)
+    off[1], off[2] = off[2], off[1]  # out of order: the uint64 difference wraps to a huge positive
+    _rewrite_chunk(c, hist_offsets=off)
+    with pytest.raises(ValueError, match="histogram offsets out of order"):
+        TraceReader(t).scalars()
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda m: m.update(tensors={"a": 1}), "tensors is a dict, not a list"),
+    (lambda m: m["tensors"][0].update(shape=[64.5]), "is not a list of non-negative ints"),
+    (lambda m: m["tensors"][0].update(shape=[-1]), "is not a list of non-negative ints"),
+    (lambda m: m["tensors"][0].update(name=["a"]), "tensors[0].name: list"),
+    (lambda m: m["tensors"][0].pop("role"), "KeyError: 'role'"),
+    (lambda m: m.update(formats="e4m3"), "formats is a str"),
+    ("deep", "nested too deeply"),
+])  # fmt: skip
+def test_a_damaged_trace_json_is_exit_2_naming_it(tmp_path, capsys, damage, says):
+    t = make_trace(tmp_path / "t")
+    tj = t / "trace.json"
+    if damage == "deep":  # names the schema, then nests past Python's recursion limit
+        tj.write_text('{"schema": "fp8sim-trace", "config": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    else:
+        meta = json.loads(tj.read_text())
+        damage(meta)
+        tj.write_text(json.dumps(meta))
+    good = tmp_path / "good.npy"
+    np.save(good, np.ones(8, np.float32))
+    for argv in (["replay", t, "--policy", "current"], ["analyze", "--keep-going", t, good]):
+        rc, out, err = run(capsys, *argv)
+        assert rc == 2, err
+        assert "internal error" not in err and f"{tj}: corrupt trace.json" in err and says in err, err
+        if argv[0] == "analyze":
+            assert "good" in out  # went on

@@ -130,9 +130,10 @@ def is_trace(path: str | os.PathLike) -> bool:
         return False
     try:
         meta = json.loads(text)
-    except (ValueError, RecursionError):
+    except (ValueError, RecursionError) as exc:
         if SCHEMA in text:
+            why = ": nested too deeply" if isinstance(exc, RecursionError) else ""
             raise ValueError(f"{p}: corrupt trace.json (names the {SCHEMA} schema but is not "
-                             "valid JSON)") from None  # fmt: skip
+                             f"valid JSON{why})") from None  # fmt: skip
         return False
     return isinstance(meta, dict) and meta.get("schema") == SCHEMA

@@ -25,7 +25,7 @@ from fp8sim.atomic_file import atomic_write
 from fp8sim.input_files import open_regular
 
 __all__ = ["CHECKPOINT_NAME", "save_checkpoint", "load_checkpoint", "capture_rng", "restore_rng", "to_storable",
-           "from_storable"]
+           "from_storable", "restored"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 _FORMAT_VERSION = 1
@@ -147,4 +147,14 @@ def load_checkpoint(run_dir: str | os.PathLike) -> dict:
     if not os.path.lexists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     payload = load_payload(path, _FORMAT_VERSION, ("step", "model", "optimizer", "policies", "rng", "config"))
-    return {k: from_storable(v) for k, v in payload.items()}
+    return restored(path, payload)
+
+
+def restored(path: Path, payload: dict) -> dict:
+    """:func:`from_storable` of a payload read from ``path``; ValueError naming the file for one
+    that is damaged (an array entry that is none, nesting too deep to walk)."""
+    try:
+        return {k: from_storable(v) for k, v in payload.items()}
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else f"{type(exc).__name__}: {_first_line(exc)}"
+        raise ValueError(f"{path}: corrupt checkpoint ({why})") from None

@@ -31,7 +31,7 @@ from typing import Callable
 
 from fp8sim.atomic_file import atomic_write
 from fp8sim.input_files import read_json
-from fp8sim.training.checkpoint import from_storable, load_payload, save_whole, to_storable
+from fp8sim.training.checkpoint import load_payload, restored, save_whole, to_storable
 
 __all__ = ["CHECKPOINT_DIR", "save_rank_checkpoint", "latest_checkpoint", "load_rank_checkpoint"]
 
@@ -103,4 +103,4 @@ def load_rank_checkpoint(run_dir: str | os.PathLike, rank: int, *, step: int | N
     if (body["step"], body["rank"]) != (step, rank):
         raise ValueError(f"{path}: corrupt checkpoint: it says step {body['step']}, rank {body['rank']}, "
                          f"not step {step}, rank {rank}")  # fmt: skip
-    return from_storable(body)
+    return restored(path, body)

@@ -157,9 +157,10 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
             if i == len(lines) and not line.endswith("\n"):
                 break  # the row a killed run was writing
             raise ValueError(f"{path}:{i}: corrupt metrics row ({exc})") from None
-        if not (isinstance(row, dict) and type(row.get("step")) is int and row["step"] >= 0
-                and _number(row.get("loss"))):
-            raise ValueError(f"{path}:{i}: corrupt metrics row (needs an int step >= 0 and a numeric loss)")
+        if not (isinstance(row, dict) and type(row.get("step")) is int and _number(row.get("loss"))):
+            raise ValueError(f"{path}:{i}: corrupt metrics row (needs an int step and a numeric loss)")
+        if row["step"] < 0:
+            raise ValueError(f"{path}:{i}: corrupt metrics row (step {row['step']} < 0)")
         odd = [k for k in _METRIC_NUMBERS if k in row and not _number(row[k])]
         if odd:
             raise ValueError(f"{path}:{i}: corrupt metrics row ({odd[0]} is not a number)")
