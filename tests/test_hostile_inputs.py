@@ -233,3 +233,70 @@ def test_a_damaged_trace_json_is_exit_2_naming_it(tmp_path, capsys, damage, says
         assert "internal error" not in err and f"{tj}: corrupt trace.json" in err and says in err, err
         if argv[0] == "analyze":
             assert "good" in out  # went on
+
+
+# ---- 2. work far beyond the bytes given --------------------------------------------------------
+def test_an_expanded_tensor_is_refused_not_read_element_by_element(tmp_path):
+    """torch.ones(1).expand(2**36) is a 1.5 KB file of one stored float: reading it element by
+    element took 50 minutes. It is refused in one line (a bad tensor); the file's others go on."""
+    torch = pytest.importorskip("torch")
+    f = tmp_path / "x.pt"
+    torch.save({"big": torch.ones(1).expand(2**36), "row": torch.arange(8.0).expand(4096, 8),
+                "ok": torch.linspace(-1, 1, 100)}, f)  # fmt: skip
+    assert f.stat().st_size < 4096
+    cmd = [sys.executable, "-m", "fp8sim", "analyze", "--keep-going", str(f), "--format", "e4m3"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "bad tensors (1):" in p.stderr and "big: its shape [68719476736] covers 68719476736 " \
+        "elements but its storage holds 1" in p.stderr, p.stderr  # fmt: skip
+    names = [ln.split()[1] for ln in p.stdout.splitlines()[2:] if ln.strip()]
+    assert sorted(names) == ["ok", "row"]  # a small expanded view (32768 over 8) is still read
+
+
+_DEFLATED_RSS_SCRIPT = """
+import sys
+import torch  # imported before the baseline
+from fp8sim.analysis.dumps import open_dump
+
+def status_mb(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) // 1024
+
+base = status_mb("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak (VmHWM) to the current RSS
+(t,) = open_dump(sys.argv[1]).tensors
+total = 0.0
+for start in range(0, t.numel, 1 << 20):
+    total += float(t.read(start, min(t.numel, start + (1 << 20))).sum(dtype="float64"))
+print(t.numel, base, status_mb("VmHWM"), total)
+"""
+
+
+def test_a_deflated_pt_is_not_inflated_in_memory(tmp_path):
+    """A .pt whose zip members are deflated (a zip rewritten by a tool) declares 128 MiB in a file
+    of a few hundred KB; torch.load inflated it whole (2.46 GB peak for a 9 MB file). Now it is
+    inflated piece by piece into a temporary file and mapped: the peak stays far below 128 MiB,
+    the values are the ones saved, and no temporary file is left."""
+    torch = pytest.importorskip("torch")
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux /proc/self/clear_refs to measure a peak")
+    n = 32 << 20  # 128 MiB of float32
+    plain, packed = tmp_path / "plain.pt", tmp_path / "packed.pt"
+    torch.save({"w": torch.full((n,), 0.5)}, plain)
+    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info))
+    plain.unlink()
+    assert packed.stat().st_size < 4 << 20
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = subprocess.run([sys.executable, "-c", _DEFLATED_RSS_SCRIPT, str(packed)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    numel, base, peak, total = p.stdout.split()
+    assert int(numel) == n and float(total) == 0.5 * n
+    print(f"RSS: {base} MiB before, peak {peak} MiB reading a 128 MiB deflated .pt")
+    assert int(peak) - int(base) < 48, (base, peak)
+    assert list(tmp.iterdir()) == []  # the inflated copy is gone
