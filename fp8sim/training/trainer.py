@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from fp8sim.atomic_file import atomic_write
+from fp8sim.atomic_file import append_line, atomic_write
 from fp8sim.input_files import open_regular, read_json
 from fp8sim.training.checkpoint import CHECKPOINT_NAME, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from fp8sim.training.data import ByteCorpus, get_batch, load_corpus
@@ -255,7 +255,7 @@ class Trainer:
         ck = self._resume() if start == "resume" else None
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            write_json(self.out / "config.json", cfg.to_dict())  # whole or absent
             if ck is None:  # fresh, or a restart of a run killed before its first checkpoint
                 write_metrics(self.out, [])
         self.recorder = recorder_factory(self.model) if recorder_factory else None
@@ -404,8 +404,7 @@ class Trainer:
                 if self.rank == 0:
                     if final or (cfg.eval_every and step % cfg.eval_every == 0):
                         row["val_loss"] = self.evaluate()
-                    with open(self.out / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                    append_line(self.out / "metrics.jsonl", json.dumps(row) + "\n")  # whole or absent
                 if final:  # run.json before the final checkpoint: a run killed in between
                     # resumes before the final step and writes it again; one resumed after it
                     # has run no step and keeps it (its gradients, part of the memory, are gone)
