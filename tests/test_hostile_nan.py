@@ -7,6 +7,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from fp8sim import cli
 from fp8sim.nan_aware import max_or_nan, nan_steps, worst_first
@@ -62,3 +63,34 @@ def test_analyze_shows_a_nan_amax_of_a_trace(tmp_path, capsys):
     # a gate on amax is crossed by a NaN amax, never passed over
     assert cli.main(["analyze", str(tmp_path / "t"), "--fail-on", "amax>1000"]) == 1
     assert "amax>1000 by a" in capsys.readouterr().err
+
+
+# ---- 7. --fail-on rules that can never fire or always fire, at both ends of the range ----------
+@pytest.mark.parametrize("rule, verdict", [
+    ("overflow>=0", "always"), ("overflow<0", "never"),  # the low end (refused before)
+    ("underflow<=100%", "always"), ("subnormal>100%", "never"),  # a share's high end
+    ("overflow<inf", "always"), ("nan>=inf", "never"), ("lost>inf", "never"),  # counts are finite
+    ("sqnr_db>=-inf", "always"), ("sqnr_db<=inf", "always"), ("sqnr_db<-inf", "never"),
+    ("sqnr_db>inf", "never"), ("rel_mse<=inf", "always"), ("amax>inf", "never"),
+])  # fmt: skip
+def test_fail_on_rules_that_cannot_decide_are_refused_at_both_ends(tmp_path, capsys, rule, verdict):
+    np.save(tmp_path / "x.npy", np.linspace(-1, 1, 64, dtype=np.float32))
+    assert cli.main(["analyze", str(tmp_path / "x.npy"), "--fail-on", rule]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--fail-on rule {rule!r}" in err and f"would {verdict} fire" in err
+
+
+@pytest.mark.parametrize("rule", ["underflow>=100%", "underflow<100%", "underflow<=0%", "sqnr_db>=inf",
+                                  "rel_mse>=inf", "amax>=inf", "overflow>0", "overflow<=0"])  # fmt: skip
+def test_fail_on_rules_that_can_go_either_way_are_taken(rule):
+    from fp8sim.analysis.report import parse_fail_on
+
+    assert len(parse_fail_on(rule)) == 1
+
+
+def test_replay_fail_on_events_range(tmp_path):
+    from fp8sim.analysis.report import REPLAY_FAIL_METRICS, parse_fail_on
+
+    for rule in ("events<inf", "events>=inf", "underflow>100%"):
+        with pytest.raises(ValueError, match="would (always|never) fire"):
+            parse_fail_on(rule, REPLAY_FAIL_METRICS)
