@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from fp8sim.input_files import open_regular, read_json
+from fp8sim.input_files import open_regular, read_json, require_regular_file
 from fp8sim.trace import layout
 from fp8sim.trace.checks import check_catalogue, check_chunk_columns, check_chunk_sequence, check_chunk_values
 from fp8sim.trace.histogram import AbsHistogram, num_bins
@@ -257,8 +257,12 @@ class TraceReader:
     def tensor_file(self, step: int, name: str) -> Path:
         """Path of a saved tensor's safetensors file."""
         p = self.path / TENSOR_DIR / tensor_file_name(step, self.tensor(name).index)
-        if not p.is_file():
+        if not os.path.lexists(p):
             raise ValueError(f"{self.path}: no saved tensor {name!r} at step {step}")
+        try:
+            require_regular_file(p)  # a FIFO: refused by name, never opened
+        except FileNotFoundError:  # a broken link
+            raise ValueError(f"{p}: a link to nothing (saved tensor {name!r} at step {step})") from None
         return p
 
     def load_tensor(self, step: int, name: str) -> Any:
