@@ -119,7 +119,9 @@ class PlotDir:
 
     def _listed(self) -> list[str]:
         try:
-            with open(os.path.join(self.dir, self.MANIFEST), "rb") as f:
+            from fp8sim.input_files import open_regular
+
+            with open_regular(os.path.join(self.dir, self.MANIFEST)) as f:  # a FIFO: refused
                 doc = json.loads(f.read(1 << 24))
         except (OSError, ValueError, RecursionError):
             return []

@@ -82,7 +82,8 @@ class TensorRecord(_JsonRecord):
 class TraceTensorRecord(_JsonRecord):
     """One tensor of a trace, its recorded statistics over all steps (records of one step
     summed). ``scaling`` is ``recorded``; ``scale`` the last recorded one; ``amax`` the largest
-    finite one (None: none finite); ``overflow_steps`` the steps with an overflow;
+    one, NaN when a step's amax is NaN (JSON null, with ``amax_nan_steps`` > 0), None when every
+    one is inf; ``overflow_steps`` the steps with an overflow;
     ``worst_underflow_pct`` / ``_step``: the step with the largest underflow share."""
 
     name: str
@@ -94,6 +95,7 @@ class TraceTensorRecord(_JsonRecord):
     steps: int
     numel: int
     amax: float | None
+    amax_nan_steps: int
     scale: float
     overflow: int
     underflow: int

@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from fp8sim.nan_aware import worst_first
+
 __all__ = [
     "Thresholds",
     "classify",
@@ -119,12 +121,11 @@ def sort_worst_first(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """By class, then overflow share, underflow share, and SQNR (lowest first)."""
 
     def key(r: dict[str, Any]):
-        sq = sqnr_value(r)
         return (
             STATUS_ORDER[r["status"]],
-            -r["overflow_pct"],
-            -r["underflow_pct"],
-            math.inf if sq is None else sq,  # undefined last
+            worst_first(r["overflow_pct"]),  # a NaN figure first: it is never sorted out of sight
+            worst_first(r["underflow_pct"]),
+            worst_first(sqnr_value(r), higher_is_worse=False),  # undefined last
             r["name"],
         )
 
@@ -271,7 +272,43 @@ class FailRule:
             v = math.inf  # value beyond float32's range)
         if v is None:  # undefined
             return False
+        if isinstance(v, float) and math.isnan(v):  # a NaN figure crosses every rule on it: it
+            return True  # cannot be shown to keep to one, and a gate must not let it through
         return _OPS[self.op](v, self.value)
+
+
+#: metrics whose values span the whole line (+-inf included); the others are never negative
+_SIGNED_METRICS = ("sqnr_db",)
+#: metrics that can be inf (sqnr_db of an exact cast, rel_mse of an unbounded error, a null
+#: amax); counts never are
+_INF_METRICS = ("sqnr_db", "rel_mse", "amax")
+
+
+def _metric_range(metric: str, percent: bool) -> tuple[float, float, bool]:
+    """(lowest value, highest value, whether the highest is reached) of a rule's metric: a share
+    lies in 0..100 %, a count in 0..inf (inf never reached), sqnr_db in -inf..inf, rel_mse and
+    amax in 0..inf."""
+    if percent:
+        return 0.0, 100.0, True
+    lo = -math.inf if metric in _SIGNED_METRICS else 0.0
+    return lo, math.inf, metric in _INF_METRICS
+
+
+def _always_or_never(op: str, c: float, lo: float, hi: float, hi_attained: bool) -> str | None:
+    """"always" / "never" when ``value OP c`` holds for every / no value in the metric's range
+    ``lo..hi`` (``lo`` always reached, ``hi`` when ``hi_attained``), else None."""
+    top_passed = c > hi or (c == hi and not hi_attained)  # no value reaches c
+    if op == ">":
+        return "never" if c >= hi else "always" if c < lo else None
+    if op == ">=":
+        return "never" if top_passed else "always" if c <= lo else None
+    if op == "<":
+        return "never" if c <= lo else "always" if top_passed else None
+    return "never" if c < lo else "always" if c >= hi else None  # <=
+
+
+def _bound(v: float, percent: Any) -> str:
+    return f"{v:g}{'%' if percent else ''}"
 
 
 def parse_fail_on(spec: str, metrics: dict[str, tuple[str, str | None]] = FAIL_METRICS) -> list[FailRule]:
@@ -292,11 +329,18 @@ def parse_fail_on(spec: str, metrics: dict[str, tuple[str, str | None]] = FAIL_M
             val = float(value)
         except ValueError:
             raise ValueError(f"--fail-on rule {part!r}: {value!r} is not a number") from None
-        if metric != "sqnr_db" and (val < 0 or (val == 0 and op in ("<", ">="))):  # never < 0
-            raise ValueError(f"--fail-on rule {part!r}: {metric} is never negative, so the rule "
-                             "would always or never fire")  # fmt: skip
         if pct and val > 100:
-            raise ValueError(f"--fail-on rule {part!r}: a share is at most 100%")
+            raise ValueError(f"--fail-on rule {part!r}: a share is at most 100%, so the rule "
+                             "would always or never fire")  # fmt: skip
+        verdict = _always_or_never(op, val, *_metric_range(metric, bool(pct)))
+        if verdict:
+            lo, hi, hi_attained = _metric_range(metric, bool(pct))
+            where = ("is never negative" if lo == 0 and val <= lo else
+                     "is a count, never inf" if val >= hi and not hi_attained else
+                     f"is at most {_bound(hi, pct)}" if val >= hi else
+                     f"lies in {_bound(lo, pct)}..{_bound(hi, pct)}")  # fmt: skip
+            raise ValueError(f"--fail-on rule {part!r}: {metric} {where}, so the rule would "
+                             f"{verdict} fire")  # fmt: skip
         rules.append(FailRule(metric, op, val, bool(pct)))
     if not rules:
         raise ValueError("--fail-on: no rules given (e.g. overflow>0,underflow>1%)")

@@ -14,6 +14,7 @@ import numpy as np
 
 from fp8sim.analysis.records import TraceTensorRecord
 from fp8sim.analysis.report import STATUS_ORDER, Thresholds, classify
+from fp8sim.nan_aware import max_or_nan
 
 __all__ = ["TraceSummary", "summarize_trace", "sort_worst_first_trace"]
 
@@ -89,7 +90,9 @@ def summarize_trace(path: str, reader: Any, th: Thresholds = Thresholds()) -> Tr
             "shape": list(t.shape),
             "steps": int(sel.sum()),
             "numel": int(numel[sel].sum()),
-            "amax": float(np.nanmax(sc["amax"][rsel])) if np.isfinite(sc["amax"][rsel]).any() else None,
+            # NaN when a step's amax is NaN (shown "nan"; JSON: null and amax_nan_steps > 0)
+            "amax": max_or_nan(sc["amax"][rsel].tolist()) if not np.isinf(sc["amax"][rsel]).all() else None,
+            "amax_nan_steps": int(np.isnan(sc["amax"][rsel]).sum()),
             "scale": float(sc["scale"][rsel][-1]),
             "overflow": ov,
             "underflow": un,

@@ -351,9 +351,12 @@ def test_one_line_keeps_short_messages_whole_and_cuts_long_ones():
 def test_fail_on_takes_both_infinities():
     from fp8sim.analysis.report import parse_fail_on
 
-    (hi,), (lo,) = parse_fail_on("overflow>inf"), parse_fail_on("sqnr_db>-inf")
+    (hi,), (lo,) = parse_fail_on("amax>=inf"), parse_fail_on("sqnr_db>-inf")
     assert hi.value == float("inf") and lo.value == float("-inf")
-    assert not hi.crossed({"overflow": 10**9}) and lo.crossed({"sqnr_db": -1e300, "rel_mse": 1.0})
+    assert not hi.crossed({"amax": 1e300}) and hi.crossed({"amax": None})  # null amax: inf
+    assert lo.crossed({"sqnr_db": -1e300, "rel_mse": 1.0})
+    with pytest.raises(ValueError, match="never fire"):  # a count is never inf
+        parse_fail_on("overflow>inf")
     with pytest.raises(ValueError):
         parse_fail_on("overflow>nan")
 

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from fp8sim.input_files import open_regular
 from fp8sim.analysis.dumps.strided import fortran_strides, mmap_strided_reader
 from fp8sim.analysis.dumps.strided import spilled_strided_reader
 from fp8sim.analysis.dumps.inputs import require_regular_file
@@ -219,7 +220,7 @@ def pread_reader(path: str, offset: int, raw_dtype: Any, itemsize: int):
     def read(start: int, stop: int) -> np.ndarray:
         nbytes = (stop - start) * itemsize
         buf = bytearray(nbytes)
-        with open(path, "rb", buffering=0) as f:
+        with open_regular(path) as f:
             view = memoryview(buf)
             got = 0
             while got < nbytes:
@@ -283,7 +284,7 @@ def _is_fortran_strided(fortran: bool, shape: tuple[int, ...]) -> bool:
 
 
 def _open_npy(path: str) -> Dump:
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         shape, fortran, dt = _npy_header(f, path)
         offset = f.tell()
     name, raw = _np_dtype_name(dt)
@@ -310,7 +311,7 @@ def _open_npy(path: str) -> Dump:
 
 def _zip_data_offset(path: str, info: zipfile.ZipInfo) -> int:
     """Byte offset of a stored zip member's data (after its local header)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         f.seek(info.header_offset)
         local = f.read(30)
     if len(local) < 30 or local[:4] != b"PK\x03\x04":
@@ -499,7 +500,7 @@ def _open_pt(path: str) -> Dump:
 def _open_bin(path: str) -> Dump:
     """A ``.bin`` file as a torch checkpoint (Hugging Face ``pytorch_model.bin``) when it starts
     like one (a zip, or a pickle: the legacy format), else ValueError: never guessed further."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(4)
     if head != b"PK\x03\x04" and head[:1] != b"\x80":
         raise ValueError(f"{path}: a .bin file that is not a torch checkpoint (neither a zip nor "

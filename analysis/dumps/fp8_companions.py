@@ -14,6 +14,7 @@ import re
 import stat
 from typing import Any
 
+from fp8sim.input_files import open_regular
 from fp8sim.analysis.dumps.core import Dump, TensorSource, open_dump
 
 __all__ = ["SCALE_SUFFIXES", "MAX_JSON_BYTES", "CompanionFinder", "config_blocks", "parse_block"]
@@ -31,10 +32,12 @@ def read_json(path: str) -> tuple[Any, str]:
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
             return None, "is not a regular file"
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # stat'ed again once open: never a FIFO swapped in
             text = f.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError:
         return None, ""
+    except ValueError:
+        return None, "is not a regular file"
     except OSError as exc:
         return None, f"cannot read ({exc.strerror or exc})"
     if len(text) > MAX_JSON_BYTES:

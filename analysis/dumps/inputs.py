@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["each_file_once", "require_regular_file"]
+from fp8sim.input_files import file_kind
 
-_FILE_KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))  # fmt: skip
+__all__ = ["each_file_once", "require_regular_file"]
 
 
 def require_regular_file(path: str) -> None:
@@ -21,8 +20,7 @@ def require_regular_file(path: str) -> None:
     except OSError as exc:
         raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not stat.S_ISREG(mode):
-        kind = next((what for test, what in _FILE_KINDS if test(mode)), "a special file")
-        raise ValueError(f"{path}: {kind}, not a regular file or a directory; dumps are read "
+        raise ValueError(f"{path}: {file_kind(mode)}, not a regular file or a directory; dumps are read "
                          "from regular files only")  # fmt: skip
 
 

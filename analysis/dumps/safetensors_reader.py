@@ -20,6 +20,7 @@ import os
 import struct
 from typing import Any
 
+from fp8sim.input_files import open_regular
 from fp8sim.analysis.dumps.core import ITEMSIZE, RAW_DTYPES, SAFETENSORS_DTYPES, Dump, TensorSource
 from fp8sim.analysis.dumps.core import checked_numel, pread_reader
 
@@ -45,7 +46,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _read_header(path: str, size: int) -> tuple[dict[str, Any], int]:
     """(the header object, its length in bytes). ValueError naming ``path`` otherwise."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(8)
         if len(head) < 8:
             raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header size)")

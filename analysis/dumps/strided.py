@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from fp8sim.input_files import open_regular
+
 __all__ = [
     "WINDOW_BYTES",
     "READAHEAD_BYTES",
@@ -196,7 +198,7 @@ def mmap_strided_reader(path: str, offset: int, shape: tuple[int, ...],
     numel = math.prod(shape)
 
     def read(start: int, stop: int) -> np.ndarray:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return _mapped_read(f.fileno(), offset, shape, strides, dt, start, stop)
 
     return readahead(read, numel, dt.itemsize)

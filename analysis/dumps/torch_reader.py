@@ -14,9 +14,15 @@ are no pickle torch can read (random bytes, a damaged pickle) are called that, w
   (storage views from very old torch, big-endian) is loaded whole by ``torch.load``, with a note on
   stderr saying so.
 * Zip-format files whose members are compressed (deflate: a zip rewritten by a tool, not
-  ``torch.save``): mapped, the compressed bytes would be taken for tensor data, so they are loaded
-  whole by ``torch.load(weights_only=True)`` without ``mmap`` (torch inflates them), with a note on
-  stderr saying so. Other compression methods (bzip2, LZMA), which torch cannot read, are refused.
+  ``torch.save``): mapped, the compressed bytes would be taken for tensor data, and loaded whole
+  torch would inflate them all in memory (a 9 MB file of zeros can declare GBs). They are inflated
+  piece by piece into a temporary stored copy (member data 64-byte aligned, as ``torch.save``
+  aligns it), which is mapped like any other and unlinked at once; memory stays bounded, disk takes
+  the inflated size. Other compression methods (bzip2, LZMA), which torch cannot read, are refused.
+* Tensors whose shape covers far more elements than their storage holds (``expand()``, stride 0,
+  overlapping ``as_strided`` views: 2**36 elements over one stored float) are refused one by one
+  (a bad tensor: exit 2, ``--keep-going`` analyzes the others), never read element by element:
+  see :data:`MAX_ELEMENTS_PER_STORED`.
 """
 
 from __future__ import annotations
@@ -25,12 +31,15 @@ import os
 import pickle
 import struct
 import sys
+import tempfile
 import warnings
 import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
 
+from fp8sim.input_files import open_regular
 from fp8sim.analysis.dumps.core import (
     RAW_DTYPES,
     FLOAT_DTYPES,
@@ -42,7 +51,13 @@ from fp8sim.analysis.dumps.core import (
 )
 from fp8sim.analysis.dumps.strided import copy_c_range, drop_pages, mmap_strided_reader, readahead
 
-__all__ = ["open_pt"]
+__all__ = ["open_pt", "MAX_ELEMENTS_PER_STORED", "ALWAYS_READ_ELEMENTS"]
+
+#: a tensor whose shape covers more than this many elements per element its storage holds is
+#: refused (an expanded or overlapping view: the work would be that many times the bytes given)...
+MAX_ELEMENTS_PER_STORED = 16
+#: ... unless it has at most this many elements (cheap to read whatever its strides)
+ALWAYS_READ_ELEMENTS = 1 << 24
 
 def _torch_reader(t: Any, dtype: str, mmapped: bool):
     """read(start, stop) of a loaded tensor. Contiguous: slices of its flat view. Strided: copied
@@ -113,7 +128,7 @@ def _load_legacy_layout(path: str) -> tuple[Any, dict[int, int]]:
         return torch.storage.TypedStorage(wrap_storage=roots[key][0], dtype=dtype, _internal=True)
 
     size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         try:
             head = [Unpickler(f, encoding="utf-8").load() for _ in range(3)]
         except Exception as exc:  # tar-era files, raw pickles, garbage: torch.load decides
@@ -238,6 +253,60 @@ def _compressed_zip(path: str) -> bool:
     return bool(methods)
 
 
+#: the zip extra field id torch.save pads its local headers with (to align member data)
+_PAD_EXTRA_ID = 0x4246  # "FB"
+_ALIGN = 64
+
+
+def _inflated_copy(path: str) -> str:
+    """A temporary stored (uncompressed) copy of the zip ``path``, every member inflated piece by
+    piece (16 MiB at a time: memory bounded, whatever size a member declares; zipfile checks each
+    member's size and CRC-32), its data aligned to 64 bytes as torch.save aligns it. The caller
+    unlinks it. ValueError naming ``path`` for a damaged member or a failed write."""
+    fd, tmp = tempfile.mkstemp(prefix="fp8sim-inflated-", suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(path) as zin, \
+                zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zout:  # fmt: skip
+            for info in zin.infolist():
+                name = info.filename.encode("ascii" if info.filename.isascii() else "utf-8")
+                out = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+                out.compress_type = zipfile.ZIP_STORED
+                out.file_size = info.file_size
+                zip64 = info.file_size * 1.05 > zipfile.ZIP64_LIMIT  # as zipfile decides it
+                base = raw.tell() + 30 + len(name) + (20 if zip64 else 0) + 4
+                pad = -base % _ALIGN
+                out.extra = struct.pack("<HH", _PAD_EXTRA_ID, pad) + b"\0" * pad
+                with zin.open(info) as src, zout.open(out, "w", force_zip64=zip64) as dst:
+                    while piece := src.read(1 << 20):
+                        dst.write(piece)
+    except (zipfile.BadZipFile, EOFError, zlib.error) as exc:
+        os.unlink(tmp)
+        raise ValueError(f"{path}: corrupt compressed zip member ({_first_line(exc)})") from None
+    except OSError as exc:
+        os.unlink(tmp)
+        raise ValueError(f"{path}: cannot inflate its compressed zip members into a temporary file "
+                         f"in {tempfile.gettempdir()} ({exc.strerror or exc})") from None  # fmt: skip
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _expanded(t: Any) -> str | None:
+    """Why a tensor is refused as far larger than its storage (see
+    :data:`MAX_ELEMENTS_PER_STORED`), or None."""
+    n = t.numel()
+    if n <= ALWAYS_READ_ELEMENTS:
+        return None
+    stored = t.untyped_storage().nbytes() // max(1, t.element_size())
+    if n <= MAX_ELEMENTS_PER_STORED * stored:
+        return None
+    return (f"its shape {list(t.shape)} covers {n} elements but its storage holds {stored} "
+            f"(strides {list(t.stride())}: an expand()ed or overlapping view); refused, as reading "
+            f"it would read each stored value {n // max(1, stored)} times over -- save "
+            "t.contiguous() to analyze it")  # fmt: skip
+
+
 #: what torch's weights-only unpickler says when a pickle wants to import, call or build
 #: something it does not allow (GLOBAL, REDUCE, NEWOBJ, BUILD); everything else it raises is
 #: about bytes it cannot parse
@@ -272,20 +341,31 @@ def _unpickling_error(path: str, exc: BaseException) -> ValueError:
                       f"{detail or type(exc).__name__})")  # fmt: skip
 
 
+def _refused(reason: str):
+    """read(start, stop) that refuses the tensor: ValueError ``reason`` (a bad tensor)."""
+
+    def read(start: int, stop: int) -> np.ndarray:
+        raise ValueError(reason)
+
+    return read
+
+
 def open_pt(path: str) -> Dump:
     import torch
+
+    source = path  # what torch maps: the file, or the stored copy of a compressed zip
 
     def load(use_mmap: bool):
         with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error says it all
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=use_mmap)
 
     mmapped, offsets, whole = True, {}, None
     try:
         layout = None
         if zipfile.is_zipfile(path):
             if _compressed_zip(path):
-                mmapped, whole = False, "its zip members are compressed, which cannot be mapped"
+                source = _inflated_copy(path)  # mapped below like a stored zip, then unlinked
         else:
             try:
                 with warnings.catch_warnings():  # as in load(): the error says it all
@@ -297,9 +377,6 @@ def open_pt(path: str) -> Dump:
                 whole = _first_line(exc)
         if layout is not None:
             (obj, offsets), mmapped = layout, False
-        elif not mmapped:  # compressed zip members: torch inflates them as it loads
-            obj = load(False)
-            print(f"note: {path}: loaded whole into memory ({whole})", file=sys.stderr)
         else:
             try:
                 obj = load(True)
@@ -319,6 +396,9 @@ def open_pt(path: str) -> Dump:
         if isinstance(exc, (LookupError, TypeError, AttributeError)):  # KeyError('101'): say so
             why = f"{type(exc).__name__}: {why}"
         raise ValueError(f"{path}: corrupt or truncated torch file ({why})") from None
+    finally:
+        if source != path:
+            os.unlink(source)  # the mapping stays valid; the disk space goes with it
     pairs: list[tuple[str, Any]] = []
     skipped: list[tuple[str, str]] = []
     _flatten(obj, "", pairs, skipped, path=path)
@@ -329,7 +409,10 @@ def open_pt(path: str) -> Dump:
             continue
         dtype = _torch_dtype_name(t.dtype)
         reader = None
-        if dtype in FLOAT_DTYPES and t.device.type == "meta":
+        why = _expanded(t) if dtype in RAW_DTYPES else None
+        if why is not None:
+            reader = _refused(f"{path}: {name}: {why}")
+        elif dtype in FLOAT_DTYPES and t.device.type == "meta":
             reader = _legacy_reader(path, t, dtype, offsets)
         elif dtype in RAW_DTYPES:  # the float dtypes, and E8M0 (codes read only as companion scales)
             reader = _torch_reader(t, dtype, mmapped)

@@ -13,6 +13,12 @@ What the writer guarantees and is checked here:
   underflow at most the finite nonzero ones; scales finite and positive as float32 (the cast is
   rebuilt from them); amax non-negative (or NaN/inf); histogram bin ids strictly ascending within
   a record and inside the histogram's range.
+
+Before any of that, the columns themselves (:func:`check_chunk_columns`): every one present,
+one-dimensional, integer columns of an integer dtype and float columns of a float dtype (the one
+verdict ``analyze`` and ``replay`` both act on), and every integer within ``0..2**62`` (counts
+within :data:`MAX_COUNT`), so that no sum or difference the checks form wraps around in int64
+(a uint64 count of ``2**64 - 1`` must not pass for ``-1``).
 """
 
 from __future__ import annotations
@@ -23,8 +29,19 @@ import numpy as np
 
 from fp8sim.formats import get_format
 from fp8sim.trace.histogram import COUNT_ROUNDINGS
+from fp8sim.trace.layout import SCALAR_COLUMNS
 
-__all__ = ["check_catalogue", "check_chunk_sequence", "check_chunk_values"]
+__all__ = ["check_catalogue", "check_chunk_columns", "check_chunk_sequence", "check_chunk_values",
+           "MAX_COUNT"]  # fmt: skip
+
+#: the largest element count a record may hold (2**53: exact in float64 too); a sum of the four
+#: counts of a record stays far inside int64
+MAX_COUNT = 2**53
+#: the largest step or index a column may hold
+_MAX_INDEX = 2**62
+#: chunk columns of floats; every other column holds integers
+_FLOAT_COLUMNS = ("amax", "scale")
+_HIST_COLUMNS = ("hist_offsets", "hist_bins", "hist_counts")
 
 
 def check_catalogue(rounding: str, formats: list[str], tensors: list) -> None:
@@ -58,6 +75,40 @@ def check_chunk_sequence(trace: Path, chunks: list[tuple[int, int, int, Path]]) 
             )
 
 
+def check_chunk_columns(path: Path, cols: dict[str, np.ndarray]) -> None:
+    """Check, and normalise in place to int64 / float64, the columns of a chunk just loaded:
+    ValueError ``"<path>: corrupt trace chunk: ..."`` for a missing column, one that is not 1-D,
+    of another kind (strings, bools, structured; floats where integers belong), an integer
+    outside ``0..2**62`` (a negative one passes here: the value checks name it), or lengths that
+    disagree."""
+
+    def bad(what: str) -> None:
+        raise ValueError(f"{path}: corrupt trace chunk: {what}")
+
+    missing = [c for c in (*SCALAR_COLUMNS, *_HIST_COLUMNS) if c not in cols]
+    if missing:
+        bad(f"lacks columns {missing}")
+    for c in (*SCALAR_COLUMNS, *_HIST_COLUMNS):
+        a = cols[c]
+        if a.ndim != 1:
+            bad(f"column {c} has shape {a.shape}, not one dimension")
+        want = "f" if c in _FLOAT_COLUMNS else "iu"
+        if a.dtype.kind not in want:
+            bad(f"column {c} is {a.dtype}, not {'a float' if want == 'f' else 'an integer'} column")
+        if want == "f":
+            cols[c] = a.astype(np.float64)
+            continue
+        if a.size and (int(a.max()) > _MAX_INDEX or int(a.min()) < -_MAX_INDEX):
+            bad(f"column {c} holds {int(a.max()) if int(a.max()) > _MAX_INDEX else int(a.min())}, "
+                f"outside -2**62..2**62")  # fmt: skip
+        cols[c] = a.astype(np.int64)
+    n = cols["step"].size
+    if any(cols[c].size != n for c in SCALAR_COLUMNS) or cols["hist_offsets"].size != n + 1:
+        bad("columns differ in length")
+    if cols["hist_counts"].size != cols["hist_bins"].size:
+        bad("histogram bins and counts differ in length")
+
+
 def check_chunk_values(path: Path, cols: dict[str, np.ndarray], first: int, last: int,
                        n_bins: int) -> None:  # fmt: skip
     """ValueError ``"<path>: corrupt trace chunk: ..."`` unless the columns hold what the writer
@@ -67,7 +118,7 @@ def check_chunk_values(path: Path, cols: dict[str, np.ndarray], first: int, last
     def bad(what: str) -> None:
         raise ValueError(f"{path}: corrupt trace chunk: {what}")
 
-    step = cols["step"].astype(np.int64)
+    step = cols["step"]  # int64 and within +-2**62 (check_chunk_columns)
     if step.size and (step.min() < first or step.max() > last):
         bad(f"steps outside {first}..{last}, the range its name gives")
     if (np.diff(step) < 0).any():
@@ -75,24 +126,28 @@ def check_chunk_values(path: Path, cols: dict[str, np.ndarray], first: int, last
     for c in ("numel", "zero", "nan", "inf", "overflow", "underflow"):
         if cols[c].size and cols[c].min() < 0:
             bad(f"negative {c}")
-    counts = cols["hist_counts"].astype(np.int64)
+        if cols[c].size and cols[c].max() > MAX_COUNT:
+            bad(f"{c} {int(cols[c].max())} above 2**53")
+    counts = cols["hist_counts"]
     if counts.size and counts.min() < 0:
         bad("negative histogram counts")
-    off = cols["hist_offsets"].astype(np.int64)
+    if counts.size and float(counts.sum(dtype=np.float64)) > 2.0**62:  # float: the sum cannot wrap
+        bad("histogram counts summing past 2**62")
+    off = cols["hist_offsets"]
     cum = np.concatenate([[0], np.cumsum(counts)])
     nonzero = cum[off[1:]] - cum[off[:-1]]
-    zero, nan, inf = (cols[c].astype(np.int64) for c in ("zero", "nan", "inf"))
+    zero, nan, inf = (cols[c] for c in ("zero", "nan", "inf"))
     if (zero + nan + inf + nonzero != cols["numel"]).any():
         bad("zero + nan + inf + histogram total differs from numel")
     if (cols["overflow"] > cols["numel"] - nan - inf).any() or (cols["underflow"] > nonzero).any():
         bad("more overflow than finite values, or more underflow than nonzero ones")
     with np.errstate(over="ignore", invalid="ignore"):
-        scale = cols["scale"].astype(np.float32)
+        scale = cols["scale"].astype(np.float32)  # float64 here (check_chunk_columns)
     if not (np.isfinite(scale) & (scale > 0)).all():
         bad("a scale that is not finite and > 0 as a float32")
     if (cols["amax"] < 0).any():
         bad("negative amax")
-    bins = cols["hist_bins"].astype(np.int64)
+    bins = cols["hist_bins"]
     if bins.size and (bins.min() < 0 or bins.max() >= n_bins):
         bad(f"histogram bin ids outside 0..{n_bins - 1}")
     rises = np.diff(bins) > 0

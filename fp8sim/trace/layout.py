@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fp8sim.input_files import open_regular
+
 __all__ = [
     "SCHEMA",
     "VERSION",
@@ -51,6 +53,7 @@ __all__ = [
     "tensor_file_name",
     "list_chunks",
     "is_trace",
+    "MAX_TRACE_JSON_BYTES",
 ]
 
 SCHEMA = "fp8sim-trace"
@@ -69,6 +72,9 @@ COLUMN_DTYPES = (
 )  # fmt: skip
 
 TRACE_JSON = "trace.json"
+#: most bytes of a trace.json read (the catalogue of a model of thousands of tensors is MiBs): a
+#: longer one is refused as damaged, never read whole into memory
+MAX_TRACE_JSON_BYTES = 64 << 20
 CHUNK_DIR = "chunks"
 TENSOR_DIR = "tensors"
 #: a chunk file's name: groups (sequence number, first step, last step)
@@ -109,17 +115,25 @@ def is_trace(path: str | os.PathLike) -> bool:
     trace.json that names this schema but does not parse: a damaged trace, which must not pass
     for a folder of other files."""
     p = Path(path) / TRACE_JSON
-    if not p.is_file():
+    if not p.is_file():  # a regular file (through links): a FIFO named trace.json is no trace
         return False
     try:
-        text = p.read_bytes().decode("utf-8", errors="replace")
-    except OSError:
+        with open_regular(p) as f:
+            raw = f.read(MAX_TRACE_JSON_BYTES + 1)
+    except (OSError, ValueError):
+        return False
+    text = raw.decode("utf-8", errors="replace")
+    if len(raw) > MAX_TRACE_JSON_BYTES:
+        if SCHEMA in text[:4096]:
+            raise ValueError(f"{p}: corrupt trace.json (more than {MAX_TRACE_JSON_BYTES} bytes, "
+                             f"the most a trace.json is read to; names the {SCHEMA} schema)")  # fmt: skip
         return False
     try:
         meta = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError) as exc:
         if SCHEMA in text:
+            why = ": nested too deeply" if isinstance(exc, RecursionError) else ""
             raise ValueError(f"{p}: corrupt trace.json (names the {SCHEMA} schema but is not "
-                             "valid JSON)") from None  # fmt: skip
+                             f"valid JSON{why})") from None  # fmt: skip
         return False
     return isinstance(meta, dict) and meta.get("schema") == SCHEMA

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +10,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from fp8sim.trace.checks import check_catalogue, check_chunk_sequence, check_chunk_values
+from fp8sim.input_files import open_regular, read_json, require_regular_file
+from fp8sim.trace import layout
+from fp8sim.trace.checks import check_catalogue, check_chunk_columns, check_chunk_sequence, check_chunk_values
 from fp8sim.trace.histogram import AbsHistogram, num_bins
 from fp8sim.trace.layout import (
     CHUNK_RE,
@@ -59,6 +60,29 @@ class TraceRecord:
     hist: AbsHistogram
 
 
+def _list(v: Any, what: str) -> list:
+    if not isinstance(v, list):
+        raise TypeError(f"{what} is a {type(v).__name__}, not a list")
+    return v
+
+
+def _str(v: Any, what: str) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{what}: {type(v).__name__} {v!r:.40}, not a string")
+    return v
+
+
+def _tensor_info(t: Any, i: int) -> TensorInfo:
+    """Catalogue entry ``i`` of trace.json, its fields checked (TypeError/ValueError otherwise)."""
+    if not isinstance(t, dict):
+        raise TypeError(f"tensors[{i}] is a {type(t).__name__}, not an object")
+    shape = _list(t["shape"], f"tensors[{i}].shape")
+    if not all(type(n) is int and 0 <= n < 2**63 for n in shape):
+        raise ValueError(f"tensors[{i}].shape {shape!r:.60} is not a list of non-negative ints")
+    return TensorInfo(_str(t["name"], f"tensors[{i}].name"), _str(t["role"], f"tensors[{i}].role"),
+                      _str(t["format"], f"tensors[{i}].format"), tuple(shape), i)  # fmt: skip
+
+
 class TraceReader:
     """Read a trace directory. Chunks are loaded lazily, one at a time.
 
@@ -79,11 +103,11 @@ class TraceReader:
         check_chunk_sequence(self.path, self._chunks)
         meta_path = self.path / TRACE_JSON
         try:
-            meta = json.loads(meta_path.read_text())
+            meta = read_json(meta_path, layout.MAX_TRACE_JSON_BYTES, what="trace.json")
         except FileNotFoundError:
             raise ValueError(f"{self.path}: not an fp8sim trace (no trace.json)") from None
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{meta_path}: unreadable trace.json ({exc})") from None
+        except OSError as exc:
+            raise ValueError(f"{meta_path}: unreadable trace.json ({exc.strerror or exc})") from None
         if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
             raise ValueError(f"{meta_path}: not an fp8sim trace (schema != {SCHEMA!r})")
         if meta.get("version") != VERSION:
@@ -96,12 +120,8 @@ class TraceReader:
                 raise TypeError(f"hist.mantissa_bits {hist_bits!r} is not an int")
             if not 0 <= hist_bits <= 10:  # what a writer takes (histogram.check_mantissa_bits)
                 raise ValueError(f"hist.mantissa_bits {hist_bits} is outside 0..10")
-            formats = [str(f) for f in meta.get("formats", [])]
-            tensors = [
-                TensorInfo(str(t["name"]), str(t["role"]), str(t["format"]),
-                           tuple(int(n) for n in t["shape"]), i)  # fmt: skip
-                for i, t in enumerate(meta.get("tensors", []))
-            ]
+            formats = [_str(f, "formats") for f in _list(meta.get("formats", []), "formats")]
+            tensors = [_tensor_info(t, i) for i, t in enumerate(_list(meta.get("tensors", []), "tensors"))]
             check_catalogue(rounding, formats, tensors)
         except Exception as exc:  # missing keys, wrong types: one line naming the file
             raise ValueError(f"{meta_path}: corrupt trace.json: {type(exc).__name__}: {exc}") from None
@@ -128,18 +148,15 @@ class TraceReader:
         if self._cache is not None and self._cache[0] == path:
             return self._cache[1]
         try:
-            with np.load(path, allow_pickle=False) as z:
+            with open_regular(path) as f, np.load(f, allow_pickle=False) as z:  # a FIFO: refused
                 cols = {k: z[k] for k in z.files}
-        except Exception as exc:  # zipfile/OSError/ValueError: a corrupt chunk
+        except ValueError as exc:
+            if str(exc).startswith(str(path)):  # not a regular file: said as it is
+                raise
             raise ValueError(f"{path}: corrupt trace chunk ({type(exc).__name__}: {exc})") from None
-        need = set(SCALAR_COLUMNS) | {"hist_offsets", "hist_bins", "hist_counts"}
-        if not need <= set(cols):
-            raise ValueError(f"{path}: trace chunk lacks columns {sorted(need - set(cols))}")
-        n = cols["step"].size
-        if any(cols[c].shape != (n,) for c in SCALAR_COLUMNS) or cols["hist_offsets"].size != n + 1:
-            raise ValueError(f"{path}: trace chunk columns differ in length")
-        if any(cols[c].dtype.kind not in "iu" for c in ("tensor", "format", "hist_offsets")):
-            raise ValueError(f"{path}: trace chunk index columns are not integers")
+        except Exception as exc:  # zipfile/OSError: a corrupt chunk
+            raise ValueError(f"{path}: corrupt trace chunk ({type(exc).__name__}: {exc})") from None
+        check_chunk_columns(path, cols)  # every column there, 1-D, of its kind, lengths agree
         if cols["tensor"].size and int(cols["tensor"].max()) >= len(self.tensors):
             self.refresh()  # written after we read trace.json
             if int(cols["tensor"].max()) >= len(self.tensors):
@@ -240,8 +257,12 @@ class TraceReader:
     def tensor_file(self, step: int, name: str) -> Path:
         """Path of a saved tensor's safetensors file."""
         p = self.path / TENSOR_DIR / tensor_file_name(step, self.tensor(name).index)
-        if not p.is_file():
+        if not os.path.lexists(p):
             raise ValueError(f"{self.path}: no saved tensor {name!r} at step {step}")
+        try:
+            require_regular_file(p)  # a FIFO: refused by name, never opened
+        except FileNotFoundError:  # a broken link
+            raise ValueError(f"{p}: a link to nothing (saved tensor {name!r} at step {step})") from None
         return p
 
     def load_tensor(self, step: int, name: str) -> Any:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fp8sim.input_files import open_regular
 from fp8sim.atomic_file import atomic_write
 from fp8sim.trace.layout import (
     CHUNK_DIR,
@@ -60,7 +61,7 @@ def truncate_trace(path: str | os.PathLike, step: int) -> tuple[int, int | None]
         if first > step:
             f.unlink()
         elif last > step:
-            with np.load(f, allow_pickle=False) as z:
+            with open_regular(f) as fh, np.load(fh, allow_pickle=False) as z:  # a FIFO: refused
                 cols = {k: z[k] for k in z.files}
             kept = _keep_rows(cols, cols["step"] <= step)
             new_last = int(kept["step"].max()) if kept["step"].size else first

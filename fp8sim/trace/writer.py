@@ -101,7 +101,12 @@ class TraceWriter:
         self._last_flushed_step: int | None = None
         self._closed = False
         if mode == "a" and is_trace(self.path):
-            meta = json.loads((self.path / TRACE_JSON).read_text())
+            from fp8sim.input_files import read_json
+            from fp8sim.trace import layout
+
+            meta = read_json(self.path / TRACE_JSON, layout.MAX_TRACE_JSON_BYTES, what="trace.json")
+            if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), list):
+                raise ValueError(f"{self.path / TRACE_JSON}: corrupt trace.json (not a trace's object)")
             if meta.get("version") != VERSION:
                 raise ValueError(f"{self.path}: trace version {meta.get('version')} != {VERSION}")
             self._meta = meta

@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from fp8sim.atomic_file import atomic_write
+from fp8sim.input_files import open_regular
 
 __all__ = ["CHECKPOINT_NAME", "save_checkpoint", "load_checkpoint", "capture_rng", "restore_rng", "to_storable",
-           "from_storable"]
+           "from_storable", "restored"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 _FORMAT_VERSION = 1
@@ -112,10 +113,14 @@ def load_payload(path: Path, version: int, keys: tuple[str, ...]) -> dict:
     corrupt or not an fp8sim checkpoint (...)"`` for an unreadable file, another object, another
     format version or missing ``keys``."""
     try:
-        body = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # truncated zip, EOF, a refused pickle, ...
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"{path}: corrupt or not an fp8sim checkpoint ({first})") from None
+        with open_regular(path) as f:  # a FIFO: refused, never opened
+            body = torch.load(f, map_location="cpu", weights_only=True)
+    except ValueError as exc:
+        if str(exc).startswith(str(path)):  # not a regular file, unreadable: said as it is
+            raise
+        raise ValueError(f"{path}: corrupt or not an fp8sim checkpoint ({_first_line(exc)})") from None
+    except Exception as exc:  # truncated zip, EOF, a refused pickle, deep nesting, ...
+        raise ValueError(f"{path}: corrupt or not an fp8sim checkpoint ({_first_line(exc)})") from None
     if not isinstance(body, dict):
         raise ValueError(f"{path}: corrupt or not an fp8sim checkpoint (a {type(body).__name__})")
     if body.get("version") != version:
@@ -123,13 +128,33 @@ def load_payload(path: Path, version: int, keys: tuple[str, ...]) -> dict:
     missing = [k for k in keys if k not in body]
     if missing:
         raise ValueError(f"{path}: corrupt or not an fp8sim checkpoint (no {', '.join(missing)})")
+    for key, least in (("step", 0), ("rank", 0), ("world", 1)):  # counts: exact ints in range
+        v = body.get(key, least)
+        if type(v) is not int or not least <= v < 2**62:
+            raise ValueError(f"{path}: corrupt checkpoint: {key} {v!r:.40} is not an int >= {least}")
+    if not isinstance(body.get("config", {}), dict):
+        raise ValueError(f"{path}: corrupt checkpoint: its config is a {type(body['config']).__name__}")
     return body
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def load_checkpoint(run_dir: str | os.PathLike) -> dict:
     """Read ``run_dir/checkpoint.pt`` (weights_only). Raises FileNotFoundError when absent."""
     path = Path(run_dir) / CHECKPOINT_NAME
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     payload = load_payload(path, _FORMAT_VERSION, ("step", "model", "optimizer", "policies", "rng", "config"))
-    return {k: from_storable(v) for k, v in payload.items()}
+    return restored(path, payload)
+
+
+def restored(path: Path, payload: dict) -> dict:
+    """:func:`from_storable` of a payload read from ``path``; ValueError naming the file for one
+    that is damaged (an array entry that is none, nesting too deep to walk)."""
+    try:
+        return {k: from_storable(v) for k, v in payload.items()}
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else f"{type(exc).__name__}: {_first_line(exc)}"
+        raise ValueError(f"{path}: corrupt checkpoint ({why})") from None

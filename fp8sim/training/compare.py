@@ -7,11 +7,13 @@ live tensors at the end of the run.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from fp8sim.training.trainer import read_metrics
+from fp8sim.input_files import read_json
+from fp8sim.nan_aware import max_or_nan, nan_steps
+
+from fp8sim.training.trainer import check_summary, read_metrics
 
 __all__ = ["load_run", "compare_runs", "plot_loss_curves", "format_comparison"]
 
@@ -22,26 +24,20 @@ def load_run(run_dir: str | os.PathLike) -> dict:
     rows = read_metrics(run_dir)
     if not rows:
         raise ValueError(f"{run_dir}: metrics.jsonl is empty")
-    summary = _read_json(run_dir / "run.json")
+    summary = check_summary(run_dir / "run.json", _read_json(run_dir / "run.json"))  # typed figures
     cfg = summary.get("config") or _read_json(run_dir / "config.json")
     if not isinstance(cfg, dict):
         raise ValueError(f"{run_dir}: corrupt run: its config is not a JSON object")
-    for key, kinds in (("memory_bytes_per_param", dict), ("comm_bytes_per_step", dict),
-                       ("median_step_time_s", (int, float))):  # fmt: skip
-        if summary.get(key) is not None and not isinstance(summary[key], kinds):
-            raise ValueError(f"{run_dir / 'run.json'}: corrupt: {key} is a {type(summary[key]).__name__}")
     name = f"{cfg.get('recipe', '?')}/{cfg.get('backend', '?')}" if cfg else run_dir.name
     return {"dir": str(run_dir), "name": name, "metrics": rows, "summary": summary}
 
 
 def _read_json(path: Path) -> dict:
-    """A JSON object file ({} when absent); ValueError naming it when it is no JSON object."""
-    if not path.is_file():
+    """A JSON object file ({} when absent); ValueError naming it when it is no JSON object, or no
+    regular file (a FIFO is never opened), or longer than :data:`fp8sim.input_files.MAX_JSON_BYTES`."""
+    if not os.path.lexists(path):
         return {}
-    try:
-        obj = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{path}: corrupt JSON ({exc})") from None
+    obj = read_json(path, what="JSON file")
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: corrupt: not a JSON object")
     return obj
@@ -71,7 +67,9 @@ def compare_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, window: 
     ``final_loss``: the last step's training loss; ``final_loss_smoothed``: the mean over the
     last ``window`` steps; ``*_delta``: B - A, ``*_rel``: (B - A) / A. ``val_loss``: the last
     evaluation. ``memory``: bytes per parameter (weights, grads, optimizer states, total).
-    ``max_abs_rel_loss_diff``: max over common steps of |B - A| / |A| of the training loss.
+    ``max_abs_rel_loss_diff``: max over common steps of |B - A| / |A| of the training loss (NaN
+    when either run has a NaN loss at a common step). ``nan_loss_steps``: per run, the steps whose
+    training loss is NaN.
     """
     a, b = load_run(run_a), load_run(run_b)
     out: dict = {"a": a["name"], "b": b["name"], "a_dir": a["dir"], "b_dir": b["dir"]}
@@ -86,10 +84,13 @@ def compare_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, window: 
             out[key]["delta"] = vb - va
             out[key]["rel"] = (vb - va) / va if va else None
     la = {r["step"]: r["loss"] for r in a["metrics"]}
-    common = [(la[r["step"]], r["loss"]) for r in b["metrics"] if r["step"] in la]
+    common = [(r["step"], la[r["step"]], r["loss"]) for r in b["metrics"] if r["step"] in la]
     out["common_steps"] = len(common)
-    # steps with a zero reference loss have no relative difference
-    out["max_abs_rel_loss_diff"] = max((abs(y - x) / abs(x) for x, y in common if x), default=None)
+    # steps with a zero reference loss have no relative difference; a NaN loss on either side
+    # makes the maximum NaN (Python's max would skip it), and its steps are named
+    out["max_abs_rel_loss_diff"] = max_or_nan((abs(y - x) / abs(x) for _, x, y in common if x), default=None)
+    out["nan_loss_steps"] = {k: nan_steps((m["step"], m["loss"]) for m in r["metrics"])
+                             for k, r in (("a", a), ("b", b))}  # fmt: skip
     out["memory_bytes_per_param"] = {
         "a": a["summary"].get("memory_bytes_per_param"),
         "b": b["summary"].get("memory_bytes_per_param"),
@@ -169,6 +170,12 @@ def format_comparison(c: dict) -> str:
             f"{_fmt(d.get('rel'), '+.2%'):>10}"
         )
     lines.append(f"{'max |rel loss diff| (steps)':28}{_fmt(c['max_abs_rel_loss_diff'], '.2e'):>12}  over {c['common_steps']} common steps")
+    for run in ("a", "b"):
+        steps = c.get("nan_loss_steps", {}).get(run) or []
+        if steps:
+            more = f" and {len(steps) - 5} more" if len(steps) > 5 else ""
+            lines.append(f"{'NaN loss in ' + run.upper():28}{len(steps):>12}  at step(s) "
+                         f"{', '.join(map(str, steps[:5]))}{more}")
     ma, mb = c["memory_bytes_per_param"]["a"], c["memory_bytes_per_param"]["b"]
     for part in ("weights", "master", "grads", "optimizer", "total", "fp8lm"):
         lines.append(

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Callable
 
 from fp8sim.atomic_file import atomic_write
-from fp8sim.training.checkpoint import from_storable, load_payload, save_whole, to_storable
+from fp8sim.input_files import read_json
+from fp8sim.training.checkpoint import load_payload, restored, save_whole, to_storable
 
 __all__ = ["CHECKPOINT_DIR", "save_rank_checkpoint", "latest_checkpoint", "load_rank_checkpoint"]
 
@@ -75,13 +76,15 @@ def save_rank_checkpoint(
 def latest_checkpoint(run_dir: str | os.PathLike) -> dict | None:
     """``{"step", "world"}`` of the last complete checkpoint in ``run_dir``, or None."""
     latest = Path(run_dir) / CHECKPOINT_DIR / "LATEST"
-    if not latest.is_file():
+    if not os.path.lexists(latest):
         return None
-    try:
-        info = json.loads(latest.read_text())
-        return {"step": int(info["step"]), "world": int(info["world"])}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{latest}: not a checkpoint index ({exc})") from None
+    info = read_json(latest, 1 << 16, what="checkpoint index")
+    if not isinstance(info, dict) or not all(
+        type(info.get(k)) is int and least <= info[k] < 2**62 for k, least in (("step", 0), ("world", 1))
+    ):
+        raise ValueError(f"{latest}: not a checkpoint index (needs an int step >= 0 and world >= 1: "
+                         f"{json.dumps(info)[:80]})")  # fmt: skip
+    return {"step": info["step"], "world": info["world"]}
 
 
 def load_rank_checkpoint(run_dir: str | os.PathLike, rank: int, *, step: int | None = None) -> dict:
@@ -93,8 +96,11 @@ def load_rank_checkpoint(run_dir: str | os.PathLike, rank: int, *, step: int | N
             raise FileNotFoundError(f"{run}: no data-parallel checkpoint ({CHECKPOINT_DIR}/LATEST missing)")
         step = info["step"]
     path = _step_dir(run, step) / f"rank{rank}.pt"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{path}: missing (the checkpoint was written by fewer ranks?)")
     body = load_payload(path, _VERSION, ("step", "rank", "world", "config", "options", "rng", "policies",
                                           "reducer", "optimizer", "model", "recorder"))
-    return from_storable(body)
+    if (body["step"], body["rank"]) != (step, rank):
+        raise ValueError(f"{path}: corrupt checkpoint: it says step {body['step']}, rank {body['rank']}, "
+                         f"not step {step}, rank {rank}")  # fmt: skip
+    return restored(path, body)

@@ -383,7 +383,6 @@ def train_distributed(
     that step as if killed (no summary), for tests. ``metrics.jsonl`` rows carry, besides the
     single-process keys, ``comm_bytes`` and ``allreduce`` (see :meth:`DataParallel.step_metrics`).
     """
-    import json
     from pathlib import Path
 
     from fp8sim.training.recipes import get_recipe
@@ -408,8 +407,13 @@ def train_distributed(
         if info["world"] != world:
             raise ValueError(f"--resume: {out} was checkpointed by {info['world']} ranks, not {world}")
     else:  # a run here from now on (before any rank starts a trace): see Trainer
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        from fp8sim.training.trainer import write_json
+
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--out {out}: cannot create directory ({exc.strerror or exc})") from None
+        write_json(out / "config.json", cfg.to_dict())  # whole or absent
     opts = {"start": start, "grad_scaling": grad_scaling, "fp8_grads": fp8_grads,
             "record": None if record is None else str(record), "save_every": int(save_every), "progress": progress,
             "stop_after": stop_after}  # fmt: skip
@@ -421,7 +425,9 @@ def train_distributed(
         from fp8sim.training.spawn import spawn_ranks
 
         spawn_ranks(world, cfg.to_dict(), str(out), opts)
-    return json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
+    from fp8sim.training.trainer import read_summary
+
+    return read_summary(out / "run.json") if (out / "run.json").is_file() else {}
 
 
 def run_rank(rank: int, world: int, cfg_dict: dict, out: str, init_file: str | None, opts: dict) -> None:

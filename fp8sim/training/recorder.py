@@ -258,8 +258,11 @@ def _check_same_run(path: Path, meta: dict) -> None:
     where both say."""
     import json
 
+    from fp8sim.input_files import read_json
+    from fp8sim.trace import layout
+
     try:
-        old = json.loads((path / "trace.json").read_text()).get("config", {})
+        old = read_json(path / "trace.json", layout.MAX_TRACE_JSON_BYTES, what="trace.json").get("config", {})
     except (OSError, ValueError, AttributeError):
         return  # no trace yet (or not ours to judge: the writer refuses a damaged one)
     same = {

@@ -7,7 +7,13 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["exit_rank", "rank_error", "spawn_ranks", "spawned_rank"]
+__all__ = ["exit_rank", "rank_error", "spawn_ranks", "spawned_rank", "RankDied"]
+
+
+class RankDied(ChildProcessError):
+    """A rank ended from outside the run -- killed by a signal (SIGKILL: the out-of-memory killer
+    or a kill; SIGSEGV...) or exited without an exception of its own. Not a bug of fp8sim and not
+    bad input: the CLI says it in one line (an OSError: exit 2), with how to continue."""
 
 #: exceptions of a rank that mean bad input (the CLI's exit 2), as named in its traceback
 _INPUT_ERRORS = ("ValueError", "TypeError", "FileNotFoundError", "FileExistsError", "NotADirectoryError",
@@ -35,8 +41,27 @@ def spawn_ranks(world: int, cfg_dict: dict, out: str, opts: dict) -> None:
         if os.environ.get("FP8SIM_DEBUG") == "1":
             raise  # the rank's traceback
         raise rank_error(exc) from None
+    except mp.ProcessExitedException as exc:  # killed from outside, or gone without a word
+        raise rank_died(exc, out) from None
     finally:
         spawn_log.setLevel(level)
+
+
+def rank_died(exc: Any, out: str) -> RankDied:
+    """The one line for a rank that ended from outside (torch's ProcessExitedException: which
+    rank, its signal or exit code): which rank died of what, and that ``--resume`` continues."""
+    from fp8sim.training.dist_checkpoint import latest_checkpoint
+
+    how = f"died of signal {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+    why = {"SIGKILL": " (killed from outside the run: the out-of-memory killer, or a kill)"}.get(
+        exc.signal_name or "", "")
+    try:
+        info = latest_checkpoint(out)
+    except ValueError:
+        info = None
+    since = f"its last checkpoint (step {info['step']})" if info else "step 0 (no checkpoint yet)"
+    return RankDied(f"rank {exc.error_index} {how}{why}; the other ranks were stopped. "
+                    f"'fp8sim train ... --resume' continues the run in {out} from {since}")
 
 
 def rank_error(exc: Exception) -> Exception:
@@ -82,6 +107,14 @@ def exit_rank() -> None:
 
 def spawned_rank(rank: int, parent_pid: int, *args: Any) -> None:
     _die_with_parent(parent_pid)
+    import threading
+
+    from tqdm import tqdm
+
+    # tqdm's default lock is a multiprocessing RLock: a named semaphore that a rank killed from
+    # outside (SIGKILL) cannot release, which multiprocessing's resource tracker then reports as
+    # "leaked" at exit. A rank's bars live in its own process: a thread lock serves as well.
+    tqdm.set_lock(threading.RLock())
     from fp8sim.training.distributed import run_rank
 
     run_rank(rank, *args)

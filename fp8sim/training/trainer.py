@@ -16,6 +16,7 @@ so a killed-and-resumed run writes the same losses, bit for bit, as the uninterr
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -26,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from fp8sim.atomic_file import atomic_write
+from fp8sim.atomic_file import append_line, atomic_write
+from fp8sim.input_files import open_regular, read_json
 from fp8sim.training.checkpoint import CHECKPOINT_NAME, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from fp8sim.training.data import ByteCorpus, get_batch, load_corpus
 from fp8sim.training.fp8_linear import convert_to_fp8, get_fp8_state
@@ -60,29 +62,37 @@ def memory_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimize
     }
 
 
+#: metrics row fields that are numbers when present
+_METRIC_NUMBERS = ("val_loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "overflow", "underflow")
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """The rows of ``run_dir/metrics.jsonl`` (FileNotFoundError when absent). A last line cut
     short (no newline: the run was killed while writing it) is left out; any other row that is
     not a JSON object with an int ``step`` and a numeric ``loss`` raises ValueError naming the
     file and line."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a run directory?)")
     rows = []
-    with open(path) as f:
-        lines = f.readlines()
+    with open_regular(path) as f:  # a FIFO: refused, never opened
+        lines = io.TextIOWrapper(f, encoding="utf-8", errors="replace").readlines()
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             if i == len(lines) and not line.endswith("\n"):
                 break  # the row a killed run was writing
             raise ValueError(f"{path}:{i}: corrupt metrics row ({exc})") from None
-        if not (isinstance(row, dict) and type(row.get("step")) is int
-                and isinstance(row.get("loss"), (int, float)) and not isinstance(row["loss"], bool)):
+        if not (isinstance(row, dict) and type(row.get("step")) is int and _number(row.get("loss"))):
             raise ValueError(f"{path}:{i}: corrupt metrics row (needs an int step and a numeric loss)")
+        if row["step"] < 0:
+            raise ValueError(f"{path}:{i}: corrupt metrics row (step {row['step']} < 0)")
+        odd = [k for k in _METRIC_NUMBERS if k in row and not _number(row[k])]
+        if odd:
+            raise ValueError(f"{path}:{i}: corrupt metrics row ({odd[0]} is not a number)")
         rows.append(row)
     return rows
 
@@ -175,7 +185,7 @@ class Trainer:
         ck = self._resume() if start == "resume" else None
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            write_json(self.out / "config.json", cfg.to_dict())  # whole or absent
             if ck is None:  # fresh, or a restart of a run killed before its first checkpoint
                 write_metrics(self.out, [])
         self.recorder = recorder_factory(self.model) if recorder_factory else None
@@ -187,25 +197,40 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------
     def _resume(self) -> dict:
         """Restore the last checkpoint (a data-parallel run's: this rank's file, and the model
-        from rank 0's); returns this rank's payload."""
+        from rank 0's); returns this rank's payload. A checkpoint whose contents do not fit the
+        run (a missing key, a tensor of another shape, a step outside ``0..steps``) raises
+        ValueError naming its file: damaged input, never a crash."""
         if self.dp is None:
             ck = first = load_checkpoint(self.out)
+            where = self.out / CHECKPOINT_NAME
         else:
             ck, first = self.dp.load_checkpoint(self.out)
+            from fp8sim.training.dist_checkpoint import CHECKPOINT_DIR
+
+            where = self.out / CHECKPOINT_DIR / f"step{ck['step']:08d}" / f"rank{self.rank}.pt"
         if ck["config"] != self.cfg.to_dict():
             diff = sorted(k for k, v in self.cfg.to_dict().items() if ck["config"].get(k) != v)
             raise ValueError(f"--resume: {self.out}: checkpoint was written by a different config (differs in {diff})")
+        if not 0 <= ck["step"] <= self.cfg.steps:  # an int (load_payload): -4 would train at lr <= 0
+            raise ValueError(f"{where}: corrupt checkpoint: step {ck['step']} is outside 0..{self.cfg.steps}")
         _check_corpus(self.out, ck, self.corpus)
-        with torch.no_grad():
-            self.model.load_state_dict(first["model"])
-        if self.dp is None:
-            self.optimizer.load_state_dict(ck["optimizer"])
-        else:  # options checked; the optimizer (rank 0's, or this rank's ZeRO shard), AutoScale
-            self.dp.load_state_dict(ck, first, self.optimizer)
-        if self.fp8 is not None:
-            self.fp8.load_state_dict(ck["policies"])
-        restore_rng(ck["rng"])
-        self.start_step = int(ck["step"])
+        try:
+            with torch.no_grad():
+                self.model.load_state_dict(first["model"])
+            if self.dp is None:
+                self.optimizer.load_state_dict(ck["optimizer"])
+            else:  # options checked; the optimizer (rank 0's, or this rank's ZeRO shard), AutoScale
+                self.dp.load_state_dict(ck, first, self.optimizer)
+            if self.fp8 is not None:
+                self.fp8.load_state_dict(ck["policies"])
+            restore_rng(ck["rng"])
+            _check_restored(self.optimizer)
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError,
+                RecursionError, OverflowError) as exc:  # fmt: skip
+            text = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise ValueError(f"{where}: damaged checkpoint: it does not fit the run "
+                             f"({type(exc).__name__}: {text})") from None  # fmt: skip
+        self.start_step = ck["step"]
         if self.rank == 0:  # the steps after the checkpoint are run (and logged) again
             write_metrics(self.out, [r for r in read_metrics(self.out) if r["step"] <= self.start_step])
         return ck
@@ -307,8 +332,7 @@ class Trainer:
                 if self.rank == 0:
                     if final or (cfg.eval_every and step % cfg.eval_every == 0):
                         row["val_loss"] = self.evaluate()
-                    with open(self.out / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                    append_line(self.out / "metrics.jsonl", json.dumps(row) + "\n")  # whole or absent
                 if final:  # run.json before the final checkpoint: a run killed in between
                     # resumes before the final step and writes it again; one resumed after it
                     # has run no step and keeps it (its gradients, part of the memory, are gone)
@@ -328,7 +352,7 @@ class Trainer:
         if summary is not None:  # the final step ran here: run.json is written
             return summary
         if (self.out / "run.json").is_file():
-            return json.loads((self.out / "run.json").read_text()) if self.rank == 0 else {}
+            return read_summary(self.out / "run.json") if self.rank == 0 else {}
         return self.write_summary(time.perf_counter() - t_start)  # a finished run of an older version
 
     def write_summary(self, wall_s: float) -> dict:
@@ -367,6 +391,24 @@ class Trainer:
         if self.dp is not None:  # options, ranks, bytes sent, FP8 all-reduce events
             out.update(self.dp.summary(rows), memory_bytes_per_param_ranks=ranks)
         return out
+
+
+def _check_restored(optimizer: Any) -> None:
+    """ValueError unless every number a checkpoint restored into the optimizer's state is one a
+    run can hold: finite hyperparameters, ``lr`` > 0 and finite (it is set again every step, but a
+    NaN there would otherwise be the first thing trained with), step counts >= 0."""
+    groups = getattr(optimizer, "param_groups", [])
+    for g in groups:
+        lr = float(g.get("lr", 0.0))
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"learning rate {lr!r} restored")
+        for key in ("weight_decay", "eps"):
+            if key in g and not math.isfinite(float(g[key])):
+                raise ValueError(f"{key} {g[key]!r} restored")
+    for st in getattr(optimizer, "state", {}).values():
+        step = st.get("step") if isinstance(st, dict) else None
+        if step is not None and not (0 <= float(step) < 2**53):
+            raise ValueError(f"optimizer step {float(step)} restored")
 
 
 def _check_corpus(out: Path, ck: dict, corpus) -> None:
@@ -427,10 +469,10 @@ def _check_restart(out: Path, config: dict | None) -> None:
     if config is None:
         return
     try:
-        old = json.loads((out / "config.json").read_text())
+        old = read_json(out / "config.json", what="run config")
     except FileNotFoundError:
         return  # metrics.jsonl alone: a run killed before it wrote its config
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+    except (OSError, ValueError) as exc:
         raise ValueError(f"--resume: {out}/config.json is not an fp8sim run config ({exc})") from None
     if not isinstance(old, dict) or set(old) != set(config):
         raise ValueError(f"--resume: {out}/config.json is not an fp8sim run config")
@@ -476,6 +518,61 @@ def _progress(mode: bool | None, *, total: int, initial: int, desc: str):
         return _ProgressLines(total, initial, desc)
     return tqdm(total=total, initial=initial, disable=not mode and mode is not None, desc=desc, unit="step",
                 file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+#: run.json fields and what each must be when present: a number, a count (int >= 0), an object
+#: of numbers, or an object
+_SUMMARY_FIELDS = {
+    "final_loss": "number", "final_val_loss": "number", "median_step_time_s": "number",
+    "wall_s": "number", "overflow": "count", "underflow": "count", "steps_done": "count",
+    "parameters": "count", "nproc": "count", "memory_bytes_per_param": "numbers",
+    "comm_bytes_per_step": "numbers", "config": "object", "recipe": "object",
+}  # fmt: skip
+#: the entries a memory / communication figure needs (what the reports show)
+_SUMMARY_PARTS = {"memory_bytes_per_param": ("weights", "grads", "optimizer", "total"),
+                  "comm_bytes_per_step": ("wgrad_fp8", "scales", "grads_other", "weights")}  # fmt: skip
+#: entries that are numbers when present
+_SUMMARY_OPTIONAL = {"memory_bytes_per_param": ("master", "fp8lm"),
+                     "comm_bytes_per_step": ("wgrad_fp8_vs_bf16",)}  # fmt: skip
+
+
+def check_summary(path: Path, summary: Any, *, finished: bool = False) -> dict:
+    """``summary`` (a run.json read back from ``path``) if its fields are what a run writes (see
+    :data:`_SUMMARY_FIELDS`; null allowed for numbers), else ValueError ``"<path>: corrupt
+    run.json: ..."``. ``finished``: the fields a finished run's summary always has must be there."""
+
+    def bad(what: str) -> None:
+        raise ValueError(f"{path}: corrupt run.json: {what}")
+
+    if not isinstance(summary, dict):
+        bad(f"a {type(summary).__name__}, not an object")
+    if finished:
+        missing = [k for k in ("final_loss", "final_val_loss", "overflow", "underflow",
+                               "memory_bytes_per_param", "median_step_time_s") if k not in summary]  # fmt: skip
+        if missing:
+            bad(f"no {', '.join(missing)}")
+    for key, kind in _SUMMARY_FIELDS.items():
+        v = summary.get(key)
+        if v is None:
+            continue
+        ok = {"number": _number(v), "count": type(v) is int and v >= 0, "object": isinstance(v, dict),
+              "numbers": isinstance(v, dict) and all(_number(v.get(p)) for p in _SUMMARY_PARTS.get(key, ()))
+              and all(_number(v[p]) for p in _SUMMARY_OPTIONAL.get(key, ()) if v.get(p) is not None),
+              }[kind]  # fmt: skip
+        if not ok:
+            want = {"number": "a number", "count": "an int >= 0", "object": "an object",
+                    "numbers": f"an object with the numbers {', '.join(_SUMMARY_PARTS.get(key, ()))}"}[kind]
+            bad(f"{key} is {json.dumps(v)[:60]}, not {want}")
+    return summary
+
+
+def read_summary(path: Path) -> dict:
+    """A finished run's run.json, checked (:func:`check_summary`)."""
+    return check_summary(path, read_json(path, what="run.json"), finished=True)
 
 
 def write_metrics(out: Path, rows: list[dict]) -> None:
