@@ -279,8 +279,8 @@ def test_block_quantize(other_be, gran, rounding):
     x = torch.from_numpy(random_values(3 * 130, seed=12, spread=10)).reshape(3, 130)
     x[1, 5] = float("nan")
     seed = SEED if rounding == "stochastic" else None
-    if be.name == "torch":
-        with pytest.raises(NotImplementedError):
+    if be.name == "torch" and not (gran.startswith("block:") and rounding == "rne"):
+        with pytest.raises(NotImplementedError, match="torch backend"):  # MX, or a rounding torch lacks
             be.block_quantize(x, "e4m3", gran, rounding=rounding, seed=seed)
         return
     codes, scale_inv, amax = be.block_quantize(x, "e4m3", gran, rounding=rounding, seed=seed)
