@@ -228,7 +228,7 @@ class Fp8State:
             op, scale = self._cast_blocks(name + "^T" if wgrad else name, x, fmt, cast, policy, wgrad), None
             amax = None
         else:
-            seed = self._seed(name) if cast.rounding == "stochastic" else None
+            seed = self.seed_for(name) if cast.rounding == "stochastic" else None
             kwargs = {"rounding": cast.rounding, "saturate": True, "seed": seed}
             if reused is not None:  # the scale of this step's first forward
                 scale = reused[1]
@@ -278,7 +278,7 @@ class Fp8State:
         alike, and the transform of the padded group is orthogonal, so the GEMM's exact value is
         unchanged; the padded columns take part in the tensor amax and the block scales."""
         gran = parse_granularity(cast.granularity)
-        seed = self._seed(seed_name) if cast.rounding == "stochastic" else None
+        seed = self.seed_for(seed_name) if cast.rounding == "stochastic" else None
         if gran.kind == "block":
             p = policy.params
             codes, scale_inv, _ = self.backend.block_quantize(
@@ -297,7 +297,10 @@ class Fp8State:
             x, f"{r}x{c}", gran.variant, rounding=cast.rounding, seed=seed)
         return Fp8Operand(codes, block_scale, fmt, gran.spec, tensor_scale, global_amax)
 
-    def _seed(self, name: str) -> int:
+    def seed_for(self, name: str) -> int:
+        """The Philox key of a stochastic cast of tensor ``name`` at the current step:
+        ``(step * 0x9E3779B1 + crc32(name)) mod 2**63`` (the column-wise copy of a weight-gradient
+        operand is keyed by ``name + "^T"``), so a step's rounding is reproducible."""
         return (self.step * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
 
     def _count(self, x: torch.Tensor, op: Fp8Operand, scale: float | None, amax: float) -> None:
