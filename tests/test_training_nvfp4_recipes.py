@@ -247,11 +247,18 @@ def test_te_block_scales_match_fp8sim_scaling(backend):
     assert torch.equal(model(torch.from_numpy(x_np)).detach(), y_ref)
 
 
-def test_te_block_torch_backend_matches_emulator():
-    m, k, n = 70, 130, 40
+@pytest.mark.parametrize("other", ["torch", "triton"])
+def test_te_block_other_backends_match_emulator(other):
+    if other == "triton":
+        pytest.importorskip("triton")
+        from fp8sim.kernels.cast import is_interpreter
+
+        if not is_interpreter():
+            pytest.skip("CPU tensors need Triton's interpreter")
+    m, k, n = (70, 130, 40) if other == "torch" else (20, 40, 24)  # the interpreter is slow
     x_np, gy_np = _data(m, k, n, seed=7)
     outs = []
-    for backend in ("emulator", "torch"):
+    for backend in ("emulator", other):
         model, layer = _layer(get_recipe("te-block"), k, n, backend)
         x = torch.from_numpy(x_np).requires_grad_()
         y = model(x)

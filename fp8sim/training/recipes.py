@@ -10,6 +10,10 @@ Levels (torchao-style):
 * :class:`Recipe` -- a whole run: autocast dtype for the non-FP8 ops, the linear recipe (None: no
   FP8), and the optimizer / gradient-communication / weight-storage levels.
 
+Every built-in recipe keeps ``lm_head`` (the last linear layer) in high precision; the paper
+keeps about 16% of its linear layers in BF16, mostly the last blocks, which
+``LinearRecipe.keep_last_blocks`` adds (default 0).
+
 The last three fields are where the FP8-LM levels (O1: FP8 weight gradients and all-reduce,
 O2: FP8 Adam states, O3: FP8 weights sharded ZeRO-style) plug in: they add recipes through
 :func:`register_recipe` with other values there; code that cannot run a level raises
