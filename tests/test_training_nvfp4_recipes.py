@@ -77,6 +77,8 @@ def test_recipe_validation():
         CastConfig("e4m3", granularity="nvfp4")
     with pytest.raises(ValueError, match="one row"):
         CastConfig("e4m3", granularity="block:128x1")
+    with pytest.raises(ValueError, match="spelled 'mx'"):
+        CastConfig("e4m3", granularity="mx:rceil")
     with pytest.raises(ValueError, match="rht"):
         CastConfig("e4m3", granularity="block:1x128", rht=True)
     nv = CastConfig("e2m1", granularity="nvfp4", rht=True)

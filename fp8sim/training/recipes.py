@@ -78,8 +78,8 @@ class CastConfig:
     Attributes:
         fmt: target format name (``fp8sim.get_format``), e.g. ``"e4m3"``.
         policy: scaling policy spec, e.g. ``"delayed:history=16,margin=0,algo=max"``, ``"current"``.
-        granularity: ``"tensor"`` (one scale), ``"mx"`` / ``"mx:rceil"`` (one E8M0 scale per 32
-            elements), ``"block:1xC"`` / ``"block:CxC"`` (float32 scales per block, the
+        granularity: ``"tensor"`` (one scale), ``"mx"`` (one E8M0 scale per 32 elements; the
+            policy, ``mx`` or ``mx:rceil``, picks the rule), ``"block:1xC"`` / ``"block:CxC"`` (float32 scales per block, the
             ``current`` policy's rule: ``pow2``, ``epsilon``, ``margin``), ``"nvfp4"`` (1x16) or
             ``"nvfp4:2d"`` (16x16), optionally with a variant (``"nvfp4:torchao"``; fmt must be
             ``"e2m1"``). Blocks are laid along the reduction axis of the GEMM that consumes the
@@ -104,8 +104,11 @@ class CastConfig:
     def __post_init__(self) -> None:
         kind = self.granularity.partition(":")[0]
         if kind not in GRANULARITIES:
-            raise ValueError(f"CastConfig.granularity must be tensor, mx, mx:rceil, block:1xC, block:CxC, "
-                             f"nvfp4 or nvfp4:2d, got {self.granularity!r}")
+            raise ValueError(f"CastConfig.granularity must be tensor, mx, block:1xC, block:CxC, nvfp4 or nvfp4:2d, "
+                             f"got {self.granularity!r}")
+        if kind == "mx" and self.granularity != "mx":
+            raise ValueError(f"CastConfig.granularity: MX is spelled 'mx' (its policy, mx or mx:rceil, picks the "
+                             f"scale rule), got {self.granularity!r}")
         if kind in ("block", "nvfp4"):
             from fp8sim.scaling import parse_granularity
 
