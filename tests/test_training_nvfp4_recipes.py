@@ -87,6 +87,8 @@ def test_recipe_validation():
     with pytest.raises(ValueError, match="all in nvfp4"):
         LinearRecipe(CastConfig("e4m3", granularity="block:1x128"), CastConfig("e2m1", granularity="nvfp4:2d"),
                      CastConfig("e4m3", granularity="block:1x128"))
+    with pytest.raises(ValueError, match="accumulate in float32"):  # not silently a float32 GEMM
+        convert_to_fp8(nn.Sequential(nn.Linear(32, 16)), "te-block", gemm_accumulate="float64")
     with pytest.raises(ValueError, match="keep_last_blocks"):
         dataclasses.replace(get_recipe("nvfp4").linear, keep_last_blocks=-1)
 

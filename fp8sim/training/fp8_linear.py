@@ -148,6 +148,9 @@ class Fp8State:
         if mode is not None and mode not in GEMM_ACCUMULATIONS:
             raise ValueError(f"Fp8State: gemm_accumulate must be one of "
                              f"{', '.join(GEMM_ACCUMULATIONS)} or None, got {mode!r}")
+        if mode == "float64" and any(c.granularity != "tensor" for c in self.casts.values()):
+            raise ValueError("Fp8State: gemm_accumulate='float64' is for per-tensor scaled GEMMs; the block-scaled "
+                             "ones (mx, block, nvfp4) accumulate in float32 (see Fp8State.gemm)")
         modes = tuple(getattr(self.backend, "gemm_accumulations", ()))
         if mode == "float32" and not modes:  # the default: the backend's own float32 GEMM
             mode = None
