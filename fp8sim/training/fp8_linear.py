@@ -173,8 +173,9 @@ class Fp8State:
                 why = {"torch": "torch has no float32 -> E2M1 cast and no stochastic rounding",
                        "triton": "its NVFP4 kernels (quantize, RHT) are not in this version"}.get(
                     self.backend_name, "it has no NVFP4 quantize")
-                raise NotImplementedError(f"{what}: {role} granularity {c.granularity} needs NVFP4 casts, which backend "
-                                          f"{self.backend_name} does not offer ({why}); use the emulator backend")
+                raise NotImplementedError(f"{what}: {role} granularity {c.granularity} needs NVFP4 casts, which "
+                                          f"backend {self.backend_name} does not offer ({why}); use the emulator "
+                                          f"backend")
             if kind == "block" and getattr(self.policies[role], "NAME", "") != "current":
                 raise ValueError(f"{what}: {role} granularity {c.granularity} takes its block scales just in time: "
                                  f"its policy must be 'current' (with pow2/epsilon/margin), got {c.policy!r}")

@@ -79,8 +79,9 @@ class CastConfig:
         fmt: target format name (``fp8sim.get_format``), e.g. ``"e4m3"``.
         policy: scaling policy spec, e.g. ``"delayed:history=16,margin=0,algo=max"``, ``"current"``.
         granularity: ``"tensor"`` (one scale), ``"mx"`` (one E8M0 scale per 32 elements; the
-            policy, ``mx`` or ``mx:rceil``, picks the rule), ``"block:1xC"`` / ``"block:CxC"`` (float32 scales per block, the
-            ``current`` policy's rule: ``pow2``, ``epsilon``, ``margin``), ``"nvfp4"`` (1x16) or
+            policy, ``mx`` or ``mx:rceil``, picks the rule), ``"block:1xC"`` / ``"block:CxC"``
+            (float32 scales per block by the ``current`` policy's rule: ``pow2``, ``epsilon``,
+            ``margin``), ``"nvfp4"`` (1x16) or
             ``"nvfp4:2d"`` (16x16), optionally with a variant (``"nvfp4:torchao"``; fmt must be
             ``"e2m1"``). Blocks are laid along the reduction axis of the GEMM that consumes the
             tensor: a one-row block (``1xC``, MX, ``nvfp4``) is cast again from the
