@@ -280,8 +280,8 @@ def test_block_quantize(other_be, gran, rounding):
     x = torch.from_numpy(random_values(3 * 130, seed=12, spread=10)).reshape(3, 130)
     x[1, 5] = float("nan")
     seed = SEED if rounding == "stochastic" else None
-    if be.name == "torch":
-        with pytest.raises(NotImplementedError):
+    if be.name == "torch" and not (gran.startswith("block:") and rounding == "rne"):
+        with pytest.raises(NotImplementedError, match="torch backend"):  # MX, or a rounding torch lacks
             be.block_quantize(x, "e4m3", gran, rounding=rounding, seed=seed)
         return
     codes, scale_inv, amax = be.block_quantize(x, "e4m3", gran, rounding=rounding, seed=seed)
@@ -291,6 +291,51 @@ def test_block_quantize(other_be, gran, rounding):
     assert torch.equal(torch.isnan(scale_inv), torch.isnan(want))
     assert torch.equal(scale_inv.nan_to_num(-1.0), want.nan_to_num(-1.0))
     assert torch.equal(amax.nan_to_num(-1.0), torch.from_numpy(st.amax).nan_to_num(-1.0))
+
+
+@pytest.mark.parametrize("gran", ["block:1x128", "block:128x128", "block:3x5"])
+@pytest.mark.parametrize("fmt,pow2,epsilon", [("e4m3", True, 0.0), ("e5m2", False, 0.0), ("e4m3", False, 1e-3)])
+def test_torch_block_quantize_matches_scaling(gran, fmt, pow2, epsilon):
+    """Transformer Engine's Float8BlockScaling grid (pow2 scales, epsilon) on ragged shapes with
+    NaN, inf and an all-zero block, against ``fp8sim.scaling.quantize_scaled``."""
+    from fp8sim.backends.torch_backend import TorchBackend
+    from fp8sim.scaling import quantize_scaled
+
+    x = torch.from_numpy(random_values(150 * 200, seed=21, spread=12)).reshape(150, 200)
+    x[3, 7], x[140, 190], x[0, :] = float("nan"), float("inf"), 0.0
+    codes, scale_inv, amax = TorchBackend().block_quantize(x, fmt, gran, pow2=pow2, epsilon=epsilon)
+    st = quantize_scaled(x.numpy(), fmt, gran, pow2=pow2, epsilon=epsilon)
+    assert torch.equal(codes, torch.from_numpy(st.codes))
+    assert torch.equal(scale_inv, torch.from_numpy(st.scale_inv))
+    assert torch.equal(amax, torch.from_numpy(st.amax))
+    with pytest.raises(NotImplementedError, match="torch backend"):
+        TorchBackend().block_quantize(x, "e2m3", gran)
+
+
+def test_nvfp4_quantize_and_rht_through_the_backends():
+    from fp8sim.backends.emulator import EmulatorBackend
+    from fp8sim.backends.torch_backend import TorchBackend
+    from fp8sim.hadamard import rht
+    from fp8sim.nvfp4 import quantize_nvfp4_2d
+
+    x = torch.from_numpy(random_values(24 * 40, seed=23, spread=6)).reshape(24, 40)
+    x[5, 5] = float("nan")
+    be = EmulatorBackend()
+    for layout, rounding, seed in (("1x16", "rne", None), ("16x16", "stochastic", 9), ("16x1", "rne", None)):
+        codes, bscale, tscale, gamax = be.nvfp4_quantize(x, layout, rounding=rounding, seed=seed)
+        p = quantize_nvfp4_2d(x.numpy(), layout, rounding=rounding, seed=seed)
+        assert torch.equal(codes, torch.from_numpy(p.codes))
+        assert torch.equal(bscale.nan_to_num(-1.0), torch.from_numpy(p.block_scale).nan_to_num(-1.0))
+        assert float(tscale) == float(p.tensor_scale) and float(gamax) == float(p.global_amax)
+    y = torch.from_numpy(random_values(3 * 32, seed=24, spread=6)).reshape(3, 32)
+    assert torch.equal(be.rht(y), torch.from_numpy(rht(y.numpy(), -1, "te")))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        be.rht(x[:, :20])
+    with pytest.raises(NotImplementedError, match="torch backend: NVFP4"):
+        TorchBackend().nvfp4_quantize(x)
+    with pytest.raises(NotImplementedError, match="torch backend"):
+        TorchBackend().rht(y)
+    assert be.has_nvfp4 and not TorchBackend().has_nvfp4
 
 
 # -- scaled GEMM ------------------------------------------------------------------------------

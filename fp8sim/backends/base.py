@@ -33,6 +33,9 @@ Semantics shared by all backends (units and rounding):
   the transposed copy is the same quantization, not a second rounding of ``x.T``.
 * ``block_quantize``: per-group just-in-time scales (1xN, NxN, MX), as
   ``fp8sim.scaling.quantize_scaled``.
+* ``nvfp4_quantize``: NVFP4 (E2M1 codes, E4M3 block scales, a float32 tensor scale), exactly
+  ``fp8sim.nvfp4.quantize_nvfp4_2d``; ``rht``: the Random Hadamard Transform along the last axis,
+  exactly ``fp8sim.hadamard.rht``. Backends without them say so (:attr:`Backend.has_nvfp4`).
 * ``scaled_mm``: ``(decode(a) @ decode(b)) * a_scale_inv * b_scale_inv`` accumulated in float32
   (or better: ``accumulate="float64"``, see above).
 * ``decode(codes, fmt)``: the exact float32 values of the codes, in the codes' memory order.
@@ -340,6 +343,8 @@ class Backend:
     """
 
     name: str = "base"
+    #: whether :meth:`nvfp4_quantize` and :meth:`rht` are implemented (else NotImplementedError)
+    has_nvfp4: bool = False
     #: the ``accumulate=`` values ``scaled_mm`` takes; empty: it takes no such keyword (the
     #: backend's own float32 accumulation, e.g. the Triton kernel's)
     gemm_accumulations: tuple[str, ...] = ()
@@ -493,6 +498,55 @@ class Backend:
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`block_quantize` on checked arguments."""
         raise NotImplementedError(f"{self.name}: block_quantize")
+
+    def nvfp4_quantize(
+        self,
+        x: torch.Tensor,
+        layout: str = "1x16",
+        variant: str = "te",
+        *,
+        global_amax: Any = None,
+        rounding: str = "rne",
+        seed: int | None = None,
+        srbits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """NVFP4 quantization of a 2-D ``x``, exactly :func:`fp8sim.nvfp4.quantize_nvfp4_2d`.
+
+        ``layout``: the block, ``"1x16"`` (along rows), ``"16x1"`` or ``"16x16"``; ``variant``:
+        one of :data:`fp8sim.nvfp4.NVFP4_VARIANTS`; ``global_amax``: the tensor amax the tensor
+        scale comes from (None: max |x| over the non-NaN elements); ``rounding`` of the E2M1
+        cast (stochastic: Philox keyed by ``seed``, counter = flat index). Returns (E2M1 codes
+        uint8 of x's shape, one code per element; decoded E4M3 block scales, float32 of the
+        block grid; tensor scale, 0-d float32; global amax, 0-d float32).
+        """
+        from fp8sim.nvfp4 import check_layout, check_variant
+
+        x = self.check_tensor(x)
+        if x.dim() != 2:
+            raise ValueError(f"nvfp4_quantize: x must be 2-D, got shape {tuple(x.shape)}")
+        spec = CastSpec("e2m1", rounding, True, seed, srbits)
+        return self._nvfp4_quantize(x, spec, check_layout(layout), check_variant(variant), global_amax)
+
+    def _nvfp4_quantize(self, x: torch.Tensor, spec: CastSpec, tile: tuple[int, int], variant: str,
+                        global_amax: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`nvfp4_quantize` on checked arguments."""
+        raise NotImplementedError(f"backend {self.name!r} has no NVFP4 quantize (E2M1 with E4M3 block scales); "
+                                  "use the emulator backend")
+
+    def rht(self, x: torch.Tensor, signs: Any = "te") -> torch.Tensor:
+        """The Random Hadamard Transform of ``x`` along its last axis (a multiple of 16) in
+        groups of 16, float32, exactly :func:`fp8sim.hadamard.rht` (its operation order);
+        ``signs``: ``"te"`` (Transformer Engine's vector), a seed, or 16 values +-1."""
+        from fp8sim.hadamard import RHT_SIZE, check_signs
+
+        x = self.check_tensor(x)
+        if x.dim() == 0 or x.shape[-1] % RHT_SIZE:
+            raise ValueError(f"rht: the last axis of x must be a multiple of {RHT_SIZE}, got shape {tuple(x.shape)}")
+        return self._rht(x, check_signs(signs))
+
+    def _rht(self, x: torch.Tensor, signs: np.ndarray) -> torch.Tensor:
+        """:meth:`rht` on checked arguments (``signs``: 16 float32 values +-1)."""
+        raise NotImplementedError(f"backend {self.name!r} has no Random Hadamard Transform; use the emulator backend")
 
     # -- GEMM --------------------------------------------------------------------------------
     def scaled_mm(

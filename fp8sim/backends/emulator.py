@@ -41,6 +41,7 @@ class EmulatorBackend(Backend):
 
     name = "emulator"
     gemm_accumulations = GEMM_ACCUMULATIONS
+    has_nvfp4 = True
 
     def _quantize(self, x: torch.Tensor, spec: CastSpec, scale: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,6 +79,27 @@ class EmulatorBackend(Backend):
         return (torch.from_numpy(st.codes).to(dev),
                 torch.from_numpy(np.asarray(st.scale_inv, np.float32)).to(dev),
                 torch.from_numpy(np.asarray(st.amax, np.float32)).to(dev))
+
+    def _nvfp4_quantize(self, x: torch.Tensor, spec: CastSpec, tile: tuple[int, int], variant: str,
+                        global_amax: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``fp8sim.nvfp4.quantize_nvfp4_2d`` on torch tensors."""
+        from fp8sim.nvfp4 import quantize_nvfp4_2d
+
+        if isinstance(global_amax, torch.Tensor):
+            global_amax = float(global_amax)
+        x32 = x.detach().to(torch.float32).cpu().numpy()
+        p = quantize_nvfp4_2d(x32, tile, variant, global_amax=global_amax, rounding=spec.rounding,
+                              seed=spec.seed, srbits=spec.srbits)
+        dev = x.device
+        return (torch.from_numpy(p.codes).to(dev), torch.from_numpy(p.block_scale).to(dev),
+                torch.tensor(float(p.tensor_scale), dtype=torch.float32, device=dev),
+                torch.tensor(float(p.global_amax), dtype=torch.float32, device=dev))
+
+    def _rht(self, x: torch.Tensor, signs: np.ndarray) -> torch.Tensor:
+        """``fp8sim.hadamard.rht`` along the last axis."""
+        from fp8sim.hadamard import rht
+
+        return torch.from_numpy(rht(x.detach().cpu(), -1, signs)).to(x.device)
 
     def scaled_mm(
         self,

@@ -14,7 +14,12 @@ What torch can do exactly as the emulator does, and what it cannot (checked by
 * NaN: torch keeps NaN payload bits; the codes are canonicalized to the format's NaN with the
   input's sign (FNUZ: 0x80), as the emulator writes them.
 
-Block and MX scaling (``block_quantize``) is not implemented here: ``NotImplementedError``.
+Block scaling (``block_quantize`` with ``block:RxC``, e.g. Transformer Engine's
+``block:1x128`` / ``block:128x128``): the tile amaxes in torch, the scale rule of
+:func:`fp8sim.scaling.scale_from_amax` on that small grid (the one implementation of the rule),
+then the native cast -- the codes, scales and amaxes of ``fp8sim.scaling.quantize_scaled``. MX
+scaling and NVFP4 (``nvfp4_quantize``, ``rht``: torch has no float32 -> E2M1 cast) raise
+``NotImplementedError``.
 Decoding is exact for every code: e4m3 and e5m2 through float16 bit patterns (an e5m2 code is
 the high byte of the float16 of the same value; an e4m3 code's exponent and mantissa bits
 shifted into a float16 give the value / 2**8 -- both several times faster on a CPU than torch's
@@ -176,6 +181,36 @@ class TorchBackend(Backend):
         s = as_scale(scale_inv, tuple(codes.shape), codes.device, "scale_inv")
         return (_decode_f32(codes, fmt) * s).to(out_dtype)
 
+    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, granularity: str, *,
+                        margin: float, pow2: bool, epsilon: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``block:RxC`` only (see the module docstring): per tile, amax over the non-NaN
+        elements (a ragged tile is cut at the edge), ``scale = scale_from_amax(amax)``, codes of
+        ``float32(x * scale)`` by the native cast (NaN stays NaN, saturating per ``spec``)."""
+        from fp8sim.scaling import parse_granularity, scale_from_amax, view2d
+
+        gran = parse_granularity(granularity)
+        if gran.kind != "block":
+            raise NotImplementedError(
+                f"torch backend: block_quantize with granularity {gran.spec} (torch does block:RxC "
+                "only); use the emulator or triton backend"
+            )
+        _cast(x.new_zeros(0, dtype=torch.float32), spec)  # what torch cannot cast raises here, first
+        m, n = view2d(tuple(x.shape))
+        x2 = x.detach().to(torch.float32).reshape(m, n)
+        gm, gn = gran.grid2d(m, n)
+        r, c = min(gran.block[0], max(m, 1)), min(gran.block[1], max(n, 1))
+        mag = torch.nan_to_num(x2.abs(), nan=0.0, posinf=float("inf"))
+        padded = torch.zeros((gm * r, gn * c), dtype=torch.float32, device=x.device)
+        padded[:m, :n] = mag  # zeros never raise an amax
+        amax = padded.view(gm, r, gn, c).amax(dim=(1, 3))  # (gm, gn)
+        mult = torch.from_numpy(scale_from_amax(amax.cpu().numpy(), spec.fmt, margin=margin, pow2=pow2,
+                                                epsilon=epsilon)).to(x.device)
+        scale_inv = torch.reciprocal(mult)  # float32; a scale 0 gives inf, as quantize_scaled
+        full = mult.repeat_interleave(r, 0)[:m].repeat_interleave(c, 1)[:, :n]
+        codes = _cast(x2 * full, spec)
+        return codes.reshape(x.shape), scale_inv, amax
+
     def decode(self, codes: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
         fmt = get_format(fmt)
         return decode_in_order(_decode_f32, check_codes(codes, fmt), fmt)
@@ -215,6 +250,18 @@ class TorchBackend(Backend):
         # float32 accumulate on a GPU without torch._scaled_mm for these operands: the CPU's
         # float32 GEMM with its epilogue (acc * float32(sa * sb))
         return mm_float32(_decode_f32(a_codes, a_fmt), _decode_f32(b_codes, b_fmt), sa, sb, out_dtype)
+
+    def _nvfp4_quantize(self, x: torch.Tensor, spec: CastSpec, tile: tuple[int, int], variant: str,
+                        global_amax: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError(
+            "torch backend: NVFP4 (torch has no float32 -> float4_e2m1fn_x2 cast, and no stochastic "
+            "rounding); use the emulator backend"
+        )
+
+    def _rht(self, x: torch.Tensor, signs: Any) -> torch.Tensor:
+        raise NotImplementedError("torch backend: the Random Hadamard Transform of NVFP4 training is not "
+                                  "implemented here (its only use is NVFP4, which torch cannot cast); use "
+                                  "the emulator backend")
 
     def _adam_step(
         self,

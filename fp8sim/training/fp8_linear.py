@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 
 from fp8sim.formats import FloatFormat, get_format
-from fp8sim.scaling import MX_BLOCK
+from fp8sim.scaling import parse_granularity
 from fp8sim.trace import cast_thresholds
 from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe
 
@@ -63,19 +63,32 @@ Tap = Callable[[str, str, torch.Tensor, CastConfig, Any, "Fp8Operand"], None]
 class Fp8Operand:
     """A cast tensor: uint8 ``codes`` with their format and inverse scale.
 
-    ``scale_inv`` is a 0-d float32 tensor (tensor scaling) or, for MX, a float32 tensor with one
-    entry per 32-element block along the last axis. ``value = decode(code) * scale_inv``.
+    ``scale_inv`` is a 0-d float32 tensor (tensor scaling) or a float32 grid with one entry per
+    block of the granularity (:mod:`fp8sim.scaling`'s shapes: MX ``(M, ceil(N/32))``, ``block:RxC``
+    ``(ceil(M/R), ceil(N/C))``); ``value = decode(code) * scale_inv``. NVFP4: ``scale_inv`` holds
+    the decoded E4M3 block scales, ``tensor_scale`` the variant's per-tensor float32 and
+    ``global_amax`` the tensor amax it came from (0-d float32 tensors);
+    ``value = decode(code) * block_decode_scale(scale_inv, tensor_scale)`` (:mod:`fp8sim.nvfp4`).
     """
 
     codes: torch.Tensor
     scale_inv: torch.Tensor
     fmt: FloatFormat
     granularity: str = "tensor"
+    tensor_scale: torch.Tensor | None = None
+    global_amax: torch.Tensor | None = None
 
     def t(self) -> "Fp8Operand":
-        """The transpose (tensor scaling only: the codes are a view, the scale is shared)."""
+        """The transpose without a re-cast: codes and scale grid transposed (views). Tensor
+        scaling and square tiles (``block:CxC``, ``nvfp4:2d``) only: their transpose is the cast
+        of the transposed tensor; a one-row block is not (it is cast again instead)."""
         if self.granularity != "tensor":
-            raise ValueError("Fp8Operand.t: only tensor-scaled operands transpose without a re-cast")
+            r, c = parse_granularity(self.granularity).block
+            if r != c:
+                raise ValueError(f"Fp8Operand.t: a {self.granularity} operand does not transpose without a re-cast "
+                                 f"(only tensor scaling and square tiles do)")
+            return Fp8Operand(self.codes.t(), self.scale_inv.t(), self.fmt, self.granularity, self.tensor_scale,
+                              self.global_amax)
         return Fp8Operand(self.codes.t(), self.scale_inv, self.fmt, self.granularity)
 
 
@@ -97,7 +110,7 @@ class Fp8State:
     """
 
     def __init__(self, recipe: LinearRecipe, backend: str | Any, *, count_events: bool = True,
-                 gemm_accumulate: str | None = "float32") -> None:
+                 gemm_accumulate: str | None = "float32", recipe_name: str | None = None) -> None:
         from fp8sim import backends
         from fp8sim.policies import parse_policy
 
@@ -107,6 +120,7 @@ class Fp8State:
         self.casts = recipe.casts()
         self.policies = {role: parse_policy(c.policy) for role, c in self.casts.items()}
         self.formats = {role: get_format(c.fmt) for role, c in self.casts.items()}
+        self._check_casts(recipe_name)
         self._step = 0
         self._explicit_step = False
         #: tensor name -> (step, scale) of its last observed cast: what a recomputed forward
@@ -134,6 +148,9 @@ class Fp8State:
         if mode is not None and mode not in GEMM_ACCUMULATIONS:
             raise ValueError(f"Fp8State: gemm_accumulate must be one of "
                              f"{', '.join(GEMM_ACCUMULATIONS)} or None, got {mode!r}")
+        if mode == "float64" and any(c.granularity != "tensor" for c in self.casts.values()):
+            raise ValueError("Fp8State: gemm_accumulate='float64' is for per-tensor scaled GEMMs; the block-scaled "
+                             "ones (mx, block, nvfp4) accumulate in float32 (see Fp8State.gemm)")
         modes = tuple(getattr(self.backend, "gemm_accumulations", ()))
         if mode == "float32" and not modes:  # the default: the backend's own float32 GEMM
             mode = None
@@ -146,6 +163,22 @@ class Fp8State:
         self._mm_kwargs = {"out_dtype": torch.float32}
         if mode is not None:
             self._mm_kwargs["accumulate"] = mode
+
+    def _check_casts(self, recipe_name: str | None) -> None:
+        """Refuse, before any step, a cast this backend or policy cannot do (one clear line)."""
+        what = f"recipe {recipe_name}" if recipe_name else "FP8 recipe"
+        for role, c in self.casts.items():
+            kind = c.granularity.partition(":")[0]
+            if kind == "nvfp4" and not getattr(self.backend, "has_nvfp4", False):
+                why = {"torch": "torch has no float32 -> E2M1 cast and no stochastic rounding",
+                       "triton": "its NVFP4 kernels (quantize, RHT) are not in this version"}.get(
+                    self.backend_name, "it has no NVFP4 quantize")
+                raise NotImplementedError(f"{what}: {role} granularity {c.granularity} needs NVFP4 casts, which "
+                                          f"backend {self.backend_name} does not offer ({why}); use the emulator "
+                                          f"backend")
+            if kind == "block" and getattr(self.policies[role], "NAME", "") != "current":
+                raise ValueError(f"{what}: {role} granularity {c.granularity} takes its block scales just in time: "
+                                 f"its policy must be 'current' (with pow2/epsilon/margin), got {c.policy!r}")
 
     # -- the step ---------------------------------------------------------------------------
     @property
@@ -172,15 +205,18 @@ class Fp8State:
 
     # -- casts ------------------------------------------------------------------------------
     def cast(self, name: str, role: str, x: torch.Tensor, *, observe: bool = True,
-             recompute: bool = False) -> Fp8Operand:
+             recompute: bool = False, wgrad: bool = False) -> Fp8Operand:
         """Cast ``x`` (2-D; blocks, if any, along the last axis) for tensor ``name`` in ``role``.
 
-        ``observe=False`` re-casts a tensor already cast this step (MX column-wise copies, eval
+        ``observe=False`` re-casts a tensor already cast this step (column-wise copies, eval
         and no-grad forwards): no policy update, no count, no tap. ``recompute=True`` is the
         forward that activation checkpointing runs again in backward: if ``name`` was observed
         this step it is cast with the scale that cast used (its input is the same, so are its
         codes) and observes nothing; otherwise (a reentrant checkpoint's first forward ran
-        without autograd) this is the step's observed cast.
+        without autograd) this is the step's observed cast. ``wgrad=True``: ``x`` is the
+        transposed copy (K or N, M) for the weight-gradient GEMM: with the cast's ``rht`` it is
+        padded with zero columns to a multiple of 16 tokens and Hadamard-transformed first (see
+        :meth:`_cast_blocks`), and stochastic rounding keys its stream with ``name + "^T"``.
         """
         cast, fmt, policy = self.casts[role], self.formats[role], self.policies[role]
         x = x.detach()
@@ -192,8 +228,11 @@ class Fp8State:
         if cast.granularity == "mx":
             op, scale = self._cast_mx(x, fmt, cast, policy), None
             amax = None
+        elif cast.granularity != "tensor":
+            op, scale = self._cast_blocks(name + "^T" if wgrad else name, x, fmt, cast, policy, wgrad), None
+            amax = None
         else:
-            seed = self._seed(name) if cast.rounding == "stochastic" else None
+            seed = self.seed_for(name) if cast.rounding == "stochastic" else None
             kwargs = {"rounding": cast.rounding, "saturate": True, "seed": seed}
             if reused is not None:  # the scale of this step's first forward
                 scale = reused[1]
@@ -231,7 +270,41 @@ class Fp8State:
         scale_inv = torch.from_numpy(np.ascontiguousarray(st.scale_inv, dtype=np.float32))
         return Fp8Operand(codes, scale_inv, fmt, "mx")
 
-    def _seed(self, name: str) -> int:
+    def _cast_blocks(self, seed_name: str, x: torch.Tensor, fmt: FloatFormat, cast: CastConfig, policy,
+                     wgrad: bool) -> Fp8Operand:
+        """``block:RxC`` through the backend's ``block_quantize`` (the ``current`` policy's pow2,
+        epsilon and margin); ``nvfp4...`` through its ``nvfp4_quantize`` (the tensor amax of
+        ``x`` as it is cast, i.e. after the RHT, as Transformer Engine's column-wise copy).
+
+        The RHT (``cast.rht`` and ``wgrad``) runs along the last axis, the token axis of a
+        weight-gradient operand; a token count that is not a multiple of 16 is padded with zero
+        columns first (Transformer Engine refuses it). Both operands of that GEMM are padded
+        alike, and the transform of the padded group is orthogonal, so the GEMM's exact value is
+        unchanged; the padded columns take part in the tensor amax and the block scales."""
+        gran = parse_granularity(cast.granularity)
+        seed = self.seed_for(seed_name) if cast.rounding == "stochastic" else None
+        if gran.kind == "block":
+            p = policy.params
+            codes, scale_inv, _ = self.backend.block_quantize(
+                x, fmt, gran.spec, margin=p["margin"], pow2=p["pow2"], epsilon=p["epsilon"],
+                rounding=cast.rounding, seed=seed)
+            return Fp8Operand(codes, scale_inv, fmt, gran.spec)
+        if wgrad and cast.rht:
+            from fp8sim.hadamard import RHT_SIZE
+
+            pad = -x.shape[-1] % RHT_SIZE
+            if pad:
+                x = torch.nn.functional.pad(x, (0, pad))
+            x = self.backend.rht(x, "te")
+        r, c = gran.block
+        codes, block_scale, tensor_scale, global_amax = self.backend.nvfp4_quantize(
+            x, f"{r}x{c}", gran.variant, rounding=cast.rounding, seed=seed)
+        return Fp8Operand(codes, block_scale, fmt, gran.spec, tensor_scale, global_amax)
+
+    def seed_for(self, name: str) -> int:
+        """The Philox key of a stochastic cast of tensor ``name`` at the current step:
+        ``(step * 0x9E3779B1 + crc32(name)) mod 2**63`` (the column-wise copy of a weight-gradient
+        operand is keyed by ``name + "^T"``), so a step's rounding is reproducible."""
         return (self.step * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
 
     def _count(self, x: torch.Tensor, op: Fp8Operand, scale: float | None, amax: float) -> None:
@@ -240,9 +313,14 @@ class Fp8State:
         value whose code is zero."""
         fmt = op.fmt
         mag = op.codes & (fmt.sign_mask - 1) if fmt.signed else op.codes
+        if op.tensor_scale is not None:  # NVFP4: see _nvfp4_events
+            over, under = _nvfp4_events(x, op, mag)
+            self.events["overflow"] += over
+            self.events["underflow"] += under
+            return
         # zero codes minus zero inputs (count_nonzero counts NaN, not -0.0), one pass each
         self.events["underflow"] += int(torch.count_nonzero(x)) - int(torch.count_nonzero(mag))
-        if scale is None:  # MX: the block scale keeps every block's amax within max
+        if scale is None:  # MX, block:RxC: the block scale keeps every block's amax within max
             return
         thr = cast_thresholds(fmt, "rne")
         s32 = torch.tensor(scale, dtype=torch.float32)
@@ -263,12 +341,29 @@ class Fp8State:
 
     # -- GEMM -------------------------------------------------------------------------------
     def gemm(self, a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
-        """``A B^T`` in float32 for ``a`` (M, K) and ``b`` (N, K), both reduced along K."""
+        """``A B^T`` in float32 for ``a`` (M, K) and ``b`` (N, K), both reduced along K.
+
+        Tensor scaling: the backend's ``scaled_mm``. Block scaling (MX, ``block:RxC``): a float32
+        ``torch.mm`` of the operands dequantized in float32 (``decode * scale_inv``, one rounding;
+        exact for power-of-two scales). NVFP4: ``float32(torch.mm(e2m1 * b_A, e2m1 * b_B) *
+        alpha)`` -- each operand times its decoded E4M3 block scales (exact: 2 x 4 significant
+        bits), every product exact, summed in float32, then the per-tensor factor
+        :func:`fp8sim.nvfp4.gemm_alpha` once, as Transformer Engine's reference NVFP4 GEMM."""
         if a.granularity == "tensor" and b.granularity == "tensor":
             return self.backend.scaled_mm(
                 a.codes, a.fmt, a.scale_inv, b.codes.t(), b.fmt, b.scale_inv, **self._mm_kwargs
             )
-        return _dequantize_blocks(a) @ _dequantize_blocks(b).t()
+        if a.tensor_scale is None and b.tensor_scale is None:
+            return _dequantize_blocks(a) @ _dequantize_blocks(b).t()
+        from fp8sim.nvfp4 import gemm_alpha
+
+        ga, gb = parse_granularity(a.granularity), parse_granularity(b.granularity)
+        if ga.kind != "nvfp4" or gb.kind != "nvfp4" or ga.variant != gb.variant:
+            raise ValueError(f"Fp8State.gemm: NVFP4 operands need NVFP4 partners of one variant, got "
+                             f"{a.granularity} and {b.granularity}")
+        alpha = gemm_alpha(float(a.tensor_scale), float(b.tensor_scale), ga.variant)
+        acc = _block_values(a) @ _block_values(b).t()
+        return acc * torch.tensor(alpha, dtype=torch.float32, device=acc.device)
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -308,21 +403,71 @@ class Fp8State:
             self.policies[role].load_state_dict({"policy": full["policy"], "tensors": tensors})
 
 
-def _dequantize_blocks(op: Fp8Operand) -> torch.Tensor:
-    """``decode(codes) * scale_inv`` in float32 (exact decode; one rounding of the product)."""
+def _expand_grid(grid: torch.Tensor, tile: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """A per-block grid spread over the (rows, cols) elements its blocks cover (ragged edges cut)."""
+    r, c = tile
+    want = (-(-rows // r), -(-cols // c))
+    if tuple(grid.shape) != want:
+        raise ValueError(f"block operand: scale grid {tuple(grid.shape)} for a ({rows}, {cols}) operand in "
+                         f"{r}x{c} blocks (expected {want})")
+    return grid.repeat_interleave(min(r, max(rows, 1)), 0)[:rows].repeat_interleave(min(c, max(cols, 1)), 1)[:, :cols]
+
+
+def _block_values(op: Fp8Operand) -> torch.Tensor:
+    """``decode(codes) * scale_inv`` in float32 per block (exact decode, one rounding of the
+    product; for NVFP4 the product with the E4M3 block scale, exact, without the tensor scale)."""
     from fp8sim.emulator import decode
 
-    values = decode(op.codes, op.fmt)  # (R, C) float32, exact
+    values = decode(op.codes.contiguous(), op.fmt)  # (R, C) float32, exact
     if op.granularity == "tensor":
         return values * op.scale_inv
     R, C = values.shape
-    sinv = op.scale_inv.reshape(R, -1)  # (R, ceil(C / 32)): 32-element blocks, the last shorter
-    if sinv.shape[1] != -(-C // MX_BLOCK):
-        raise ValueError(f"MX operand: {sinv.shape[1]} scales per row for {C} columns "
-                         f"(expected ceil({C}/{MX_BLOCK}) = {-(-C // MX_BLOCK)})")
-    if C % MX_BLOCK == 0:  # whole blocks: broadcast each scale over its block, no copies
-        return (values.view(R, -1, MX_BLOCK) * sinv[:, :, None]).view(R, C)
-    return values * torch.repeat_interleave(sinv, MX_BLOCK, dim=1)[:, :C]
+    return values * _expand_grid(op.scale_inv.to(torch.float32), parse_granularity(op.granularity).block, R, C)
+
+
+def _dequantize_blocks(op: Fp8Operand) -> torch.Tensor:
+    """The float32 values of a cast: ``decode(codes) * scale_inv`` (one rounding of the
+    product); NVFP4: ``decode(codes) * block_decode_scale`` (:func:`fp8sim.nvfp4.block_decode_scale`)."""
+    if op.tensor_scale is None:
+        return _block_values(op)
+    from fp8sim.emulator import decode
+    from fp8sim.nvfp4 import block_decode_scale
+
+    gran = parse_granularity(op.granularity)
+    values = decode(op.codes.contiguous(), op.fmt)
+    f = torch.from_numpy(block_decode_scale(op.scale_inv.cpu().numpy(), float(op.tensor_scale), gran.variant))
+    return values * _expand_grid(f.to(values.device), gran.block, *values.shape)
+
+
+def _nvfp4_events(x: torch.Tensor, op: Fp8Operand, mag: torch.Tensor) -> tuple[int, int]:
+    """(overflow, underflow) of an NVFP4 cast. Underflow: a finite nonzero ``x`` that decodes to
+    0 -- its code is 0, or its block scale rounded to 0 in E4M3 (the whole block decodes to 0,
+    whatever codes its elements got). Overflow: in a block with a nonzero scale, ``y`` rounds above
+    E2M1's max and is clamped to +-6 (``y = float32(x * r)`` with the block multiplier of
+    :func:`fp8sim.nvfp4.cast_multiplier`; compressed-tensors ``x / (b / G)``; round to nearest
+    even); this happens when an E4M3 block scale rounds down by more than 1/6, i.e. it is
+    subnormal."""
+    from fp8sim.nvfp4 import cast_multiplier
+
+    gran = parse_granularity(op.granularity)
+    x = x.float().cpu()
+    b = op.scale_inv.cpu().numpy()
+    live = torch.isfinite(x) & (x != 0)
+    dead = _expand_grid(torch.from_numpy(b == 0), gran.block, *x.shape)
+    under = int(torch.count_nonzero(live & ((mag.cpu() == 0) | dead)))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if gran.variant == "compressed-tensors":
+            div = torch.from_numpy((b / np.float32(op.tensor_scale)).astype(np.float32))
+            y = x / _expand_grid(div, gran.block, *x.shape)
+        else:
+            r = torch.from_numpy(cast_multiplier(b, float(op.global_amax), gran.variant))
+            y = x * _expand_grid(r, gran.block, *x.shape)
+    thr = cast_thresholds(op.fmt, "rne")
+    q = y.abs()
+    over = q > thr.overflow_at
+    if thr.overflow_tie:
+        over |= q == thr.overflow_at
+    return int(torch.count_nonzero(over & live & ~dead)), under
 
 
 # -- the FP8 linear as two custom ops ---------------------------------------------------------------
@@ -401,11 +546,16 @@ def _fp8_linear_backward_op(gy: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor
             xq, wq = Fp8Operand(s0, s1, fmt_x), Fp8Operand(s2, s3, fmt_w)
             dx = st.gemm(gq, wq.t())  # (M, N) x (N, K) -> (M, K)
             dw = st.gemm(gq.t(), xq.t())  # (N, M) x (M, K) -> (N, K)
-        else:
+        else:  # blocks along each GEMM's reduction axis, cast from the high-precision tensors
             x, w = s0, s2
-            wt = st.cast(f"{layer.name}.weight", "weight", w.t().contiguous(), observe=False)  # (K, N)
-            gt = st.cast(f"{layer.name}.grad_output", "grad_output", gy.t().contiguous(), observe=False)
-            xt = st.cast(f"{layer.name}.input", "activation", x.t().contiguous(), observe=False)  # (K, M)
+            r, c = parse_granularity(st.casts["weight"].granularity).block
+            if r == c:  # square tiles: the forward's quantized W (the same cast of the same w), transposed
+                wt = st.cast(f"{layer.name}.weight", "weight", w, observe=False).t()  # (K, N)
+            else:
+                wt = st.cast(f"{layer.name}.weight", "weight", w.t().contiguous(), observe=False)  # (K, N)
+            # the weight-gradient operands, reduced along the tokens: (N, M) and (K, M)
+            gt = st.cast(f"{layer.name}.grad_output", "grad_output", gy.t().contiguous(), observe=False, wgrad=True)
+            xt = st.cast(f"{layer.name}.input", "activation", x.t().contiguous(), observe=False, wgrad=True)
             dx = st.gemm(gq, wt)
             dw = st.gemm(gt, xt)
         if "weight_grad" in st.casts:  # FP8-LM O1: the weight gradient itself travels in FP8
@@ -599,8 +749,10 @@ def convert_to_fp8(
     if get_fp8_state(model) is not None:
         raise ValueError("convert_to_fp8: model is already converted (it holds Fp8Linear layers)")
     if module_filter_fn is None:
+        kept = _last_blocks(model, linear_recipe.keep_last_blocks)
+
         def module_filter_fn(mod: nn.Module, fqn: str) -> bool:
-            return not any(fqn.endswith(s) for s in linear_recipe.skip)
+            return not any(fqn.endswith(s) for s in linear_recipe.skip) and _block_number(fqn) not in kept
 
     targets = [
         (name, mod)
@@ -615,7 +767,8 @@ def convert_to_fp8(
         why = (f"module_filter_fn (or, without one, the recipe's skip list {linear_recipe.skip}) rejected all "
                f"{found} nn.Linear / Conv1D modules" if found else "the model has no nn.Linear or Conv1D module")
         raise ValueError(f"convert_to_fp8: nothing converted: {why}")
-    state = Fp8State(linear_recipe, backend, count_events=count_events, gemm_accumulate=gemm_accumulate)
+    state = Fp8State(linear_recipe, backend, count_events=count_events, gemm_accumulate=gemm_accumulate,
+                     recipe_name=getattr(recipe, "name", None))
     state.first_layer = targets[0][0]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
@@ -623,6 +776,20 @@ def convert_to_fp8(
         setattr(parent, child, Fp8Linear(mod, name, state))
     state._root_hook = model.register_forward_pre_hook(_advance_step_hook(state))
     return model
+
+
+def _block_number(fqn: str) -> int | None:
+    """The block a module belongs to: the first integer component of its qualified name."""
+    return next((int(p) for p in fqn.split(".") if p.isdigit()), None)
+
+
+def _last_blocks(model: nn.Module, n: int) -> set[int]:
+    """The ``n`` largest block numbers among the model's linear layers (:class:`LinearRecipe`'s
+    ``keep_last_blocks``); empty for ``n = 0``."""
+    if n == 0:
+        return set()
+    found = {_block_number(name) for name, m in model.named_modules() if isinstance(m, nn.Linear) or _is_hf_conv1d(m)}
+    return set(sorted(b for b in found if b is not None)[-n:])
 
 
 def _advance_step_hook(state: Fp8State):

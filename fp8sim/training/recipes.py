@@ -10,6 +10,10 @@ Levels (torchao-style):
 * :class:`Recipe` -- a whole run: autocast dtype for the non-FP8 ops, the linear recipe (None: no
   FP8), and the optimizer / gradient-communication / weight-storage levels.
 
+Every built-in recipe keeps ``lm_head`` (the last linear layer) in high precision; the paper
+keeps about 16% of its linear layers in BF16, mostly the last blocks, which
+``LinearRecipe.keep_last_blocks`` adds (default 0).
+
 The last three fields are where the FP8-LM levels (O1: FP8 weight gradients and all-reduce,
 O2: FP8 Adam states, O3: FP8 weights sharded ZeRO-style) plug in: they add recipes through
 :func:`register_recipe` with other values there; code that cannot run a level raises
@@ -18,7 +22,16 @@ NotImplementedError naming it, never silently trains something else.
 Built-in recipes: ``fp32``, ``bf16`` (autocast), ``te-delayed`` (Transformer Engine hybrid: E4M3
 forward, E5M2 output gradients, delayed scaling), ``te-current`` (hybrid, current scaling),
 ``mx`` (MXFP8: E4M3 everywhere, one E8M0 scale per 32 elements along the GEMM reduction axis),
-and FP8-LM's levels ``fp8lm-o1`` / ``-o2`` / ``-o3`` (MS-AMP's power-of-two scaling; E4M3 weight
+``te-block`` (Transformer Engine 2.x ``Float8BlockScaling`` defaults: E4M3 forward and backward,
+float32 power-of-two scales, amax epsilon 0, one scale per 1x128 block of inputs and output
+gradients along each GEMM's reduction axis and per 128x128 tile of weights), the NVFP4 recipes of
+arXiv 2509.25149 / Transformer Engine 2.x ``NVFP4BlockScaling``: ``nvfp4`` (E2M1 with an E4M3
+scale per 16 elements and a float32 tensor scale, TE's rules; 1x16 blocks of inputs and output
+gradients along each GEMM's reduction axis, 16x16 weight tiles so forward and backward see the
+same quantized weight, stochastic rounding of the output gradient in both backward GEMMs, the
+Random Hadamard Transform with TE's sign vector on both weight-gradient GEMM operands along the
+token axis), its ablations ``nvfp4-no-rht``, ``nvfp4-no-sr`` and ``nvfp4-no-rht-no-sr``, and
+FP8-LM's levels ``fp8lm-o1`` / ``-o2`` / ``-o3`` (MS-AMP's power-of-two scaling; E4M3 weight
 gradients averaged by the FP8 all-reduce with AutoScale; O2 adds the FP8-LM Adam, O3 E4M3 weights
 sharded ZeRO-style), which train through :func:`fp8sim.training.distributed.train_distributed`.
 Their ``extra`` holds ``grad_scaling`` (``autoscale`` | ``msamp``) and ``fp8_grads``: ``all`` (every
@@ -44,7 +57,8 @@ __all__ = [
     "WEIGHT_STORAGES",
 ]
 
-GRANULARITIES = ("tensor", "mx")
+#: granularity kinds a cast may use (see :class:`CastConfig`)
+GRANULARITIES = ("tensor", "mx", "block", "nvfp4")
 AUTOCAST_DTYPES = (None, "bfloat16")
 #: optimizer levels; this package trains "adamw" (torch.optim.AdamW, float32 states)
 OPTIMIZERS = ("adamw", "fp8-adamw")
@@ -64,20 +78,49 @@ class CastConfig:
     Attributes:
         fmt: target format name (``fp8sim.get_format``), e.g. ``"e4m3"``.
         policy: scaling policy spec, e.g. ``"delayed:history=16,margin=0,algo=max"``, ``"current"``.
-        granularity: ``"tensor"`` (one scale) or ``"mx"`` (one E8M0 scale per 32 elements along
-            the reduction axis of the GEMM that consumes the tensor).
-        rounding: rounding mode of the cast (``"rne"``: round to nearest, ties to even);
-            saturating (overflow clamps to +-max).
+        granularity: ``"tensor"`` (one scale), ``"mx"`` (one E8M0 scale per 32 elements; the
+            policy, ``mx`` or ``mx:rceil``, picks the rule), ``"block:1xC"`` / ``"block:CxC"``
+            (float32 scales per block by the ``current`` policy's rule: ``pow2``, ``epsilon``,
+            ``margin``), ``"nvfp4"`` (1x16) or
+            ``"nvfp4:2d"`` (16x16), optionally with a variant (``"nvfp4:torchao"``; fmt must be
+            ``"e2m1"``). Blocks are laid along the reduction axis of the GEMM that consumes the
+            tensor: a one-row block (``1xC``, MX, ``nvfp4``) is cast again from the
+            high-precision tensor for a GEMM that reduces along its other axis; a square tile
+            is cast once and its transpose serves both GEMMs.
+        rounding: rounding mode of the cast (``"rne"``: round to nearest, ties to even;
+            ``"stochastic"``: Philox keyed by the step and the tensor's name); saturating
+            (overflow clamps to +-max).
+        rht: apply the Random Hadamard Transform (16x16, Transformer Engine's sign vector,
+            :func:`fp8sim.hadamard.rht`) to this tensor's copy for the weight-gradient GEMM,
+            along that GEMM's reduction (token) axis, before its cast (``nvfp4`` inputs and output
+            gradients only).
     """
 
     fmt: str = "e4m3"
     policy: str = "current"
     granularity: str = "tensor"
     rounding: str = "rne"
+    rht: bool = False
 
     def __post_init__(self) -> None:
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"CastConfig.granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        kind = self.granularity.partition(":")[0]
+        if kind not in GRANULARITIES:
+            raise ValueError(f"CastConfig.granularity must be tensor, mx, block:1xC, block:CxC, nvfp4 or nvfp4:2d, "
+                             f"got {self.granularity!r}")
+        if kind == "mx" and self.granularity != "mx":
+            raise ValueError(f"CastConfig.granularity: MX is spelled 'mx' (its policy, mx or mx:rceil, picks the "
+                             f"scale rule), got {self.granularity!r}")
+        if kind in ("block", "nvfp4"):
+            from fp8sim.scaling import parse_granularity
+
+            r, c = parse_granularity(self.granularity).block
+            if r not in (1, c):
+                raise ValueError(f"CastConfig.granularity {self.granularity!r}: blocks must be one row (1xC, "
+                                 f"along the reduction axis) or square (CxC, weights)")
+            if kind == "nvfp4" and self.fmt != "e2m1":
+                raise ValueError(f"CastConfig: granularity {self.granularity!r} casts to e2m1, got fmt={self.fmt!r}")
+        if self.rht and kind != "nvfp4":
+            raise ValueError(f"CastConfig.rht is for nvfp4 granularities, not {self.granularity!r}")
 
 
 @dataclass(frozen=True)
@@ -86,8 +129,11 @@ class LinearRecipe:
 
     Forward GEMM on ``input`` x ``weight``; backward GEMMs ``dX = dY W`` and ``dW = dY^T X`` on
     ``grad_output`` with the saved FP8 weight and input. ``weight_grad`` (None: kept in float32)
-    casts the weight gradient after the wgrad GEMM (FP8-LM O1). Modules whose qualified name
-    ends with one of ``skip`` stay ``nn.Linear``.
+    casts the weight gradient after the wgrad GEMM (FP8-LM O1). The modules kept in high
+    precision (they stay ``nn.Linear``): those whose qualified name ends with one of ``skip``, and
+    the linears of the last ``keep_last_blocks`` numbered blocks -- a block is the first integer
+    in a module's qualified name (``blocks.3.attn.c_attn`` is in block 3, Hugging Face's
+    ``transformer.h.11.mlp.c_fc`` in block 11), the last blocks are the largest numbers present.
     """
 
     input: CastConfig
@@ -95,6 +141,32 @@ class LinearRecipe:
     grad_output: CastConfig
     weight_grad: CastConfig | None = None
     skip: tuple[str, ...] = ("lm_head",)
+    keep_last_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        n = self.keep_last_blocks
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"LinearRecipe.keep_last_blocks must be an int >= 0, got {n!r}")
+        if self.input.rht != self.grad_output.rht:
+            raise ValueError("LinearRecipe: the RHT must apply to both weight-gradient GEMM operands "
+                             "(input.rht and grad_output.rht) or to neither")
+        if self.weight.rht:
+            raise ValueError("LinearRecipe: weight.rht: the RHT applies to the weight-gradient GEMM's operands "
+                             "(input and grad_output), not to the weight")
+        gemm = (self.input, self.weight, self.grad_output)
+        if len({c.granularity == "tensor" for c in gemm}) > 1:
+            raise ValueError("LinearRecipe: input, weight and grad_output must all be per-tensor scaled or all "
+                             "block scaled (mx, block, nvfp4)")
+        nv = {c.granularity.partition(":")[0] == "nvfp4" for c in gemm}
+        if len(nv) > 1:
+            raise ValueError("LinearRecipe: NVFP4 GEMMs need input, weight and grad_output all in nvfp4")
+        if nv == {True}:
+            from fp8sim.scaling import parse_granularity
+
+            variants = {parse_granularity(c.granularity).variant for c in gemm}
+            if len(variants) > 1:
+                raise ValueError(f"LinearRecipe: the NVFP4 operands of one GEMM need one variant, got "
+                                 f"{', '.join(sorted(variants))}")
 
     def casts(self) -> dict[str, CastConfig]:
         """Role -> cast, for the roles this recipe casts (the trace roles of docs/design.md)."""
@@ -177,6 +249,39 @@ def _mx() -> Recipe:
     )
 
 
+def _te_block() -> Recipe:
+    # Transformer Engine 2.x Float8BlockScaling defaults: fp8_format E4M3 (forward and backward),
+    # power_2_scale=True (unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1), amax_epsilon 0,
+    # x/grad 1-D blocks (1x128), w 2-D blocks (128x128)
+    one_d = CastConfig("e4m3", "current:pow2", granularity="block:1x128")
+    return Recipe(
+        "te-block",
+        "Transformer Engine Float8BlockScaling: E4M3, power-of-two float32 scales per 1x128 block "
+        "(inputs, output gradients) and per 128x128 tile (weights)",
+        linear=LinearRecipe(input=one_d, weight=CastConfig("e4m3", "current:pow2", granularity="block:128x128"),
+                            grad_output=one_d),
+    )
+
+
+def _nvfp4(name: str, rht: bool, sr: bool) -> Recipe:
+    # arXiv 2509.25149 / Transformer Engine 2.x NVFP4BlockScaling defaults: 1x16 inputs and
+    # gradients, 16x16 weights, RHT on the wgrad copies of inputs and gradients, stochastic
+    # rounding of the gradients; TE's two-level scale rules (variant "te"), current amaxes
+    what = {(True, True): "the paper's recipe", (False, True): "without the RHT",
+            (True, False): "without stochastic rounding", (False, False): "without RHT and stochastic rounding"}
+    return Recipe(
+        name,
+        f"NVFP4 ({what[rht, sr]}): E2M1, E4M3 scale per 16 elements + float32 tensor scale; 1x16 inputs "
+        "and output gradients, 16x16 weights",
+        linear=LinearRecipe(
+            input=CastConfig("e2m1", "current", granularity="nvfp4", rht=rht),
+            weight=CastConfig("e2m1", "current", granularity="nvfp4:2d"),
+            grad_output=CastConfig("e2m1", "current", granularity="nvfp4", rounding="stochastic" if sr else "rne",
+                                   rht=rht),
+        ),
+    )
+
+
 def _fp8lm(level: int) -> Recipe:
     # MS-AMP's scaling: power-of-two scales, amax window 16 for activations and output gradients,
     # 1 for weights and weight gradients; weight gradients cast to E4M3 (FP8-LM O1); every
@@ -205,6 +310,11 @@ _REGISTRY: dict[str, Callable[[], Recipe]] = {
     "te-delayed": lambda: _te(TE_DELAYED_POLICY, "te-delayed", "delayed scaling (amax history 16, max)"),
     "te-current": lambda: _te("current", "te-current", "current (just-in-time) scaling"),
     "mx": _mx,
+    "te-block": _te_block,
+    "nvfp4": lambda: _nvfp4("nvfp4", rht=True, sr=True),
+    "nvfp4-no-rht": lambda: _nvfp4("nvfp4-no-rht", rht=False, sr=True),
+    "nvfp4-no-sr": lambda: _nvfp4("nvfp4-no-sr", rht=True, sr=False),
+    "nvfp4-no-rht-no-sr": lambda: _nvfp4("nvfp4-no-rht-no-sr", rht=False, sr=False),
     "fp8lm-o1": lambda: _fp8lm(1),
     "fp8lm-o2": lambda: _fp8lm(2),
     "fp8lm-o3": lambda: _fp8lm(3),
