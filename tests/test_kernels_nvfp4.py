@@ -150,14 +150,16 @@ def test_backend_block_quantize_matches_emulator():
         for a, b in zip(got[1:], want[1:]):
             assert np.array_equal(_bits(a), _bits(b)), gran
     st = quantize_scaled(x.numpy(), "e2m1", "nvfp4:2d")
-    q = get("triton").nvfp4_quantize(x, "nvfp4:2d")
+    q = nvfp4_quantize(x, "16x16")
     assert torch.equal(q.codes, torch.from_numpy(pack_e2m1(st.codes)))
     assert _bits(q.tensor_scale) == _bits(st.tensor_scale)
     with pytest.raises(ValueError, match="e2m1"):
         get("triton").block_quantize(x, "e4m3", "nvfp4")
     with pytest.raises(ValueError, match="margin"):
         get("triton").block_quantize(x, "e2m1", "nvfp4", margin=1)
-    with pytest.raises(ValueError, match="nvfp4"):
+    codes, bscale, tscale, gamax = get("triton").nvfp4_quantize(x, "16x16")  # the backend interface
+    assert torch.equal(codes, torch.from_numpy(st.codes)) and _bits(tscale) == _bits(st.tensor_scale)
+    with pytest.raises(ValueError, match="layout"):
         get("triton").nvfp4_quantize(x, "mx")
 
 

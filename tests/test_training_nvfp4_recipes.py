@@ -271,14 +271,30 @@ def test_te_block_other_backends_match_emulator(other):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_nvfp4_refused_clearly_where_the_backend_cannot(backend):
-    if backend == "triton":
-        pytest.importorskip("triton")
-        from fp8sim.kernels.cast import is_interpreter
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4-no-rht"])
+def test_nvfp4_on_triton_matches_the_emulator(recipe):
+    """The triton backend's NVFP4 quantize and RHT kernels in the recipe: forward, input and
+    weight gradients bit for bit the emulator's (stochastic rounding and the RHT included)."""
+    pytest.importorskip("triton")
+    from fp8sim.kernels.cast import is_interpreter
 
-        if not is_interpreter() and not torch.cuda.is_available():
-            pytest.skip("triton needs the interpreter or a GPU")
+    if not is_interpreter():
+        pytest.skip("CPU tensors need Triton's interpreter")
+    m, k, n = 20, 48, 32  # 20 tokens: the RHT pads them to 32
+    x_np, gy_np = _data(m, k, n, seed=11)
+    outs = []
+    for backend in ("emulator", "triton"):
+        model, layer = _layer(get_recipe(recipe), k, n, backend)
+        x = torch.from_numpy(x_np).requires_grad_()
+        y = model(x)
+        y.backward(torch.from_numpy(gy_np))
+        outs.append((y.detach(), x.grad, layer.weight.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["torch"])
+def test_nvfp4_refused_clearly_where_the_backend_cannot(backend):
     model = nn.Sequential(nn.Linear(32, 16))
     with pytest.raises(NotImplementedError, match=rf"recipe nvfp4: activation granularity nvfp4 .* backend {backend}"):
         convert_to_fp8(model, "nvfp4", backend)

@@ -533,18 +533,19 @@ class Backend:
         raise NotImplementedError(f"backend {self.name!r} has no NVFP4 quantize (E2M1 with E4M3 block scales); "
                                   "use the emulator backend")
 
-    def rht(self, x: torch.Tensor, signs: Any = "te") -> torch.Tensor:
-        """The Random Hadamard Transform of ``x`` along its last axis (a multiple of 16) in
-        groups of 16, float32, exactly :func:`fp8sim.hadamard.rht` (its operation order);
-        ``signs``: ``"te"`` (Transformer Engine's vector), a seed, or 16 values +-1."""
+    def rht(self, x: torch.Tensor, axis: int = -1, signs: Any = "te", *, inverse: bool = False) -> torch.Tensor:
+        """The Random Hadamard Transform of ``x`` along ``axis`` (a multiple of 16) in groups of
+        16, float32, exactly :func:`fp8sim.hadamard.rht` (its operation order); ``signs``:
+        ``"te"`` (Transformer Engine's vector), a seed, or 16 values +-1; ``inverse`` undoes it."""
         from fp8sim.hadamard import RHT_SIZE, check_signs
 
         x = self.check_tensor(x)
-        if x.dim() == 0 or x.shape[-1] % RHT_SIZE:
-            raise ValueError(f"rht: the last axis of x must be a multiple of {RHT_SIZE}, got shape {tuple(x.shape)}")
-        return self._rht(x, check_signs(signs))
+        if x.dim() == 0 or not -x.dim() <= axis < x.dim() or x.shape[axis] % RHT_SIZE:
+            raise ValueError(f"rht: axis {axis} of x must exist and be a multiple of {RHT_SIZE}, "
+                             f"got shape {tuple(x.shape)}")  # fmt: skip
+        return self._rht(x, axis % x.dim(), check_signs(signs), bool(inverse))
 
-    def _rht(self, x: torch.Tensor, signs: np.ndarray) -> torch.Tensor:
+    def _rht(self, x: torch.Tensor, axis: int, signs: np.ndarray, inverse: bool) -> torch.Tensor:
         """:meth:`rht` on checked arguments (``signs``: 16 float32 values +-1)."""
         raise NotImplementedError(f"backend {self.name!r} has no Random Hadamard Transform; use the emulator backend")
 

@@ -95,11 +95,11 @@ class EmulatorBackend(Backend):
                 torch.tensor(float(p.tensor_scale), dtype=torch.float32, device=dev),
                 torch.tensor(float(p.global_amax), dtype=torch.float32, device=dev))
 
-    def _rht(self, x: torch.Tensor, signs: np.ndarray) -> torch.Tensor:
-        """``fp8sim.hadamard.rht`` along the last axis."""
+    def _rht(self, x: torch.Tensor, axis: int, signs: np.ndarray, inverse: bool) -> torch.Tensor:
+        """``fp8sim.hadamard.rht``."""
         from fp8sim.hadamard import rht
 
-        return torch.from_numpy(rht(x.detach().cpu(), -1, signs)).to(x.device)
+        return torch.from_numpy(rht(x.detach().cpu(), axis, signs, inverse=inverse)).to(x.device)
 
     def scaled_mm(
         self,

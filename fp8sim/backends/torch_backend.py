@@ -258,7 +258,7 @@ class TorchBackend(Backend):
             "rounding); use the emulator backend"
         )
 
-    def _rht(self, x: torch.Tensor, signs: Any) -> torch.Tensor:
+    def _rht(self, x: torch.Tensor, axis: int, signs: Any, inverse: bool) -> torch.Tensor:
         raise NotImplementedError("torch backend: the Random Hadamard Transform of NVFP4 training is not "
                                   "implemented here (its only use is NVFP4, which torch cannot cast); use "
                                   "the emulator backend")

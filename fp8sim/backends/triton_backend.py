@@ -35,10 +35,9 @@ from fp8sim.kernels.amax import amax as _amax
 from fp8sim.kernels.block_quantize import block_quantize as _block_quantize
 from fp8sim.kernels.cast_transpose import cast_transpose as _cast_transpose
 from fp8sim.kernels.dequantize import dequantize as _dequantize
-from fp8sim.kernels.nvfp4_quantize import NVFP4Quantized
-from fp8sim.kernels.nvfp4_quantize import nvfp4_quantize as _nvfp4_quantize
+from fp8sim.kernels.nvfp4_quantize import nvfp4_quantize as nvfp4_kernel
 from fp8sim.kernels.quantize import quantize as _quantize
-from fp8sim.kernels.rht import rht as _rht
+from fp8sim.kernels.rht import rht as rht_kernel
 from fp8sim.kernels.scaled_mm import scaled_mm as _scaled_mm
 from fp8sim.scaling import parse_granularity
 
@@ -58,6 +57,7 @@ class TritonBackend(Backend):
     """Triton kernels (GPU, or the CPU interpreter)."""
 
     name = "triton"
+    has_nvfp4 = True
 
     def __init__(self, native: bool = False) -> None:
         #: use the hardware fp8 casts / fp8 tensor-core dot where they compute the same thing
@@ -104,7 +104,7 @@ class TritonBackend(Backend):
         decoded E4M3 block scales, amax the block amaxes, as ``fp8sim.scaling.quantize_scaled``)."""
         gran = parse_granularity(granularity)
         if gran.kind == "nvfp4":
-            q = _nvfp4_quantize(x.detach(), gran.block, gran.variant, pack=False,
+            q = nvfp4_kernel(x.detach(), gran.block, gran.variant, pack=False,
                                 rounding=spec.rounding, seed=spec.seed, srbits=spec.srbits)
             return q.codes, q.block_scale, q.block_amax
         codes, scale_inv, amax, _ = _block_quantize(
@@ -113,38 +113,18 @@ class TritonBackend(Backend):
         )
         return codes, scale_inv, amax
 
-    def nvfp4_quantize(
-        self,
-        x: torch.Tensor,
-        granularity: str = "nvfp4",
-        *,
-        global_amax: Any = None,
-        rounding: str = "rne",
-        seed: int | None = None,
-        srbits: int | None = None,
-        pack: bool = True,
-    ) -> NVFP4Quantized:
-        """NVFP4 of ``x`` with an ``nvfp4[:LAYOUT][:VARIANT]`` granularity (``fp8sim.scaling``):
-        packed (``pack=True``) or one-per-byte E2M1 codes, E4M3 block-scale codes and values,
-        block amaxes, the tensor scale and the tensor amax it came from
-        (``kernels.nvfp4_quantize.NVFP4Quantized``), bit for bit
-        ``fp8sim.nvfp4.quantize_nvfp4_2d``. ``global_amax``: the tensor amax to use (None: x's,
-        NaN ignored). Stochastic rounding: ``seed`` (counter = flat index), ``srbits``."""
-        x = self.check_tensor(x)
-        gran = parse_granularity(granularity)
-        if gran.kind != "nvfp4":
-            raise ValueError("nvfp4_quantize: granularity must be nvfp4[:LAYOUT][:VARIANT], "
-                             f"got {granularity!r}")
-        spec = CastSpec("e2m1", rounding, True, seed, srbits)
-        return _nvfp4_quantize(x.detach(), gran.block, gran.variant, global_amax=global_amax,
-                               rounding=spec.rounding, seed=spec.seed, srbits=spec.srbits, pack=pack)
+    def _nvfp4_quantize(self, x: torch.Tensor, spec: CastSpec, tile: tuple[int, int], variant: str,
+                        global_amax: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """See :meth:`Backend.nvfp4_quantize`: ``kernels.nvfp4_quantize`` (the tensor amax pass,
+        then one kernel), codes one per byte. Packed codes and E4M3 scale codes: call
+        ``fp8sim.kernels.nvfp4_quantize.nvfp4_quantize`` itself."""
+        q = nvfp4_kernel(x.detach(), tile, variant, global_amax=global_amax, rounding=spec.rounding,
+                         seed=spec.seed, srbits=spec.srbits, pack=False)
+        return q.codes, q.block_scale, q.tensor_scale, q.global_amax
 
-    def rht(self, x: torch.Tensor, axis: int = -1, signs: Any = "te", *,
-            inverse: bool = False) -> torch.Tensor:
-        """``fp8sim.hadamard.rht(x, axis, signs, inverse=inverse)`` as a float32 tensor on x's
-        device, bit for bit (``kernels.rht``)."""
-        x = self.check_tensor(x)
-        return _rht(x.detach(), axis, signs, inverse=inverse)
+    def _rht(self, x: torch.Tensor, axis: int, signs: Any, inverse: bool) -> torch.Tensor:
+        """See :meth:`Backend.rht`: ``kernels.rht``, bit for bit ``fp8sim.hadamard.rht``."""
+        return rht_kernel(x.detach(), axis, signs, inverse=inverse)
 
     def scaled_mm(
         self,

@@ -295,7 +295,7 @@ class Fp8State:
             pad = -x.shape[-1] % RHT_SIZE
             if pad:
                 x = torch.nn.functional.pad(x, (0, pad))
-            x = self.backend.rht(x, "te")
+            x = self.backend.rht(x, -1, "te")
         r, c = gran.block
         codes, block_scale, tensor_scale, global_amax = self.backend.nvfp4_quantize(
             x, f"{r}x{c}", gran.variant, rounding=cast.rounding, seed=seed)
@@ -788,7 +788,7 @@ def _last_blocks(model: nn.Module, n: int) -> set[int]:
     ``keep_last_blocks``); empty for ``n = 0``."""
     if n == 0:
         return set()
-    found = {_block_number(name) for name, m in model.named_modules() if isinstance(m, nn.Linear) or _is_hf_conv1d(m)}
+    found = {_block_number(name) for name, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)}
     return set(sorted(b for b in found if b is not None)[-n:])
 
 
