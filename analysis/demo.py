@@ -313,7 +313,7 @@ def _write_report(out, recipe, fig, vs_bf16, backends, analyze_text, replay_tabl
 def run(args: argparse.Namespace) -> int:
     size = "quick" if args.quick else "full" if args.full else "default"
     fig = run_demo(args.out, steps=args.steps, recipe=args.recipe, seed=args.seed, size=size,
-                   progress=None if not args.json else False)
+                   progress=None)  # a bar on a terminal, else lines (stdout keeps the JSON)
     if args.json:
         print(json.dumps(fig, indent=2, default=str))
     else:

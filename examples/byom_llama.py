@@ -1,4 +1,4 @@
-"""Bring your own model: a Hugging Face Llama trained with emulated FP8, recorded and replayed.
+"""Bring your own model: a Hugging Face Llama trained with emulated FP8, recorded, replayed, judged.
 
     python examples/byom_llama.py --steps 50 --out byom-run
 
@@ -12,7 +12,10 @@
 4. saves ``model.state_dict()`` (the FP8 scaling state included) and the optimizer's to
    ``OUT/checkpoint.pt``;
 5. replays the trace under other scaling policies with ``fp8sim replay`` (a subprocess, as you
-   would run it), writing ``OUT/replay.json`` and printing its table.
+   would run it), writing ``OUT/replay.json`` and printing its table;
+6. prints the per-layer verdict of :func:`fp8sim.analysis.analyze` on the trace: for each layer
+   and role, ``ok`` / ``needs margin N`` / ``needs finer scaling`` / ``keep in higher precision``,
+   judged in the format the recipe gives that role, warm-up steps apart.
 """
 
 from __future__ import annotations
@@ -76,8 +79,15 @@ def main(argv: list[str] | None = None) -> dict:
     cmd = [sys.executable, "-m", "fp8sim", "replay", str(trace), "--policy", "delayed:history=16,margin=0,algo=max",
            "--policy", "current", "--policy", "current:pow2", "--json", str(replay_json)]
     subprocess.run(cmd, check=True)
+
+    from fp8sim.analysis import analyze
+
+    verdicts = analyze(trace).verdicts
+    print("\nper-layer verdict (layer, role, format: verdict)")
+    for v in verdicts:
+        print(f"  {v.layer}  {v.role}  {v.format}: {v.text}")
     return {"losses": losses, "trace": str(trace), "replay": json.loads(replay_json.read_text()),
-            "fp8_step": get_fp8_state(model).step}
+            "fp8_step": get_fp8_state(model).step, "verdicts": verdicts}
 
 
 if __name__ == "__main__":

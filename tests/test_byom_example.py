@@ -1,7 +1,8 @@
-"""examples/byom_llama.py runs at small size: convert, train, record, replay."""
+"""examples/byom_llama.py runs at small size: convert, train, record, replay, verdict."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -25,3 +26,13 @@ def test_byom_llama_example_trains_records_and_replays(tmp_path):
     assert by["recorded"]["records"] == 3 * 14 * 4 and by["recorded"]["exact_pct"] == 100.0
     assert any(k.startswith("current:pow2=true") for k in by) and any(k.startswith("delayed:") for k in by)
     assert "replayed 168 records under 4 policies" in r.stderr + r.stdout
+    # one verdict per converted projection x role, each judged in the format the trace records
+    lines = r.stdout.split("per-layer verdict (layer, role, format: verdict)\n")[1].splitlines()
+    assert len(lines) == 14 * 4
+    recorded = {(t.name.rsplit(".", 1)[0], t.role): t.format for t in reader.tensors}
+    verdict = re.compile(r"^  (\S+)  (\S+)  (e4m3|e5m2): (ok|needs margin \d+|needs finer scaling|keep in higher precision)")
+    for line in lines:
+        m = verdict.match(line)
+        assert m, line
+        assert recorded[m.group(1), m.group(2)] == m.group(3), line
+    assert {m.group(3) for m in map(verdict.match, lines)} == {"e4m3", "e5m2"}  # E5M2 for gradients

@@ -145,4 +145,6 @@ def test_every_bfloat16_input_widens_exactly():
     xf = (bits.astype(np.uint32) << 16).view(np.float32)
     scale = np.float32(2.0**127)  # bfloat16 subnormals (2**-133 .. 2**-126) -> e5m2 normals
     codes, _ = quantize(x, "e5m2", torch.tensor(float(scale)))
-    assert torch.equal(codes, torch.from_numpy(fp8sim.encode(xf * scale, "e5m2")))
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN patterns scaled, as the kernel does
+        want = fp8sim.encode(xf * scale, "e5m2")
+    assert torch.equal(codes, torch.from_numpy(want))

@@ -10,10 +10,16 @@ from fp8sim import cli
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_demo_quick_writes_report(tmp_path, capsys):
+def test_demo_quick_writes_report_shows_progress_and_reruns(tmp_path, capsys, monkeypatch):
+    """One quick demo: its report and figures, progress lines without a terminal; then the same
+    command again replaces its own report (and only that); a foreign file makes it refuse."""
+    from fp8sim.training import trainer
+
+    monkeypatch.setattr(trainer, "PROGRESS_LINE_S", 0.0)  # a line per step
     out = tmp_path / "report"
     assert cli.main(["demo", "--quick", "--out", str(out), "--json"]) == 0
-    fig = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    fig = json.loads(captured.out)
     assert fig == json.loads((out / "summary.json").read_text())
     e = fig["emulator_vs_torch"]
     # every FP8 cast of step 1 (4 linears x input, weight, grad_output) compared, all identical
@@ -26,6 +32,19 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     for png in ("loss_curves.png", "policies.png", "underflow_recorded.png"):
         assert (out / "plots" / png).read_bytes()[:4] == b"\x89PNG"
     assert (out / "traces" / "bf16" / "trace.json").is_file() and (out / "analyze.json").is_file()
+    # capsys's stderr is not a terminal: progress comes as lines
+    assert "bf16/emulator: step 12/12, loss" in captured.err and "te-delayed/torch: step 1/12, loss" in captured.err
+
+    (out / "runs" / "bf16" / "stale.txt").write_text("from the first run")  # inside its own entries
+    assert cli.main(["demo", "--quick", "--out", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "replacing the previous report" in captured.err
+    assert not (out / "runs" / "bf16" / "stale.txt").exists()
+    assert json.loads(captured.out)["fp8_vs_bf16"] == fig["fp8_vs_bf16"]  # the same seed: the same run
+    (out / "notes.md").write_text("mine")  # a file the demo did not write: refused, nothing removed
+    assert cli.main(["demo", "--quick", "--out", str(out)]) == 2
+    assert "also holds 'notes.md', which the demo did not write" in capsys.readouterr().err
+    assert (out / "notes.md").read_text() == "mine" and (out / "summary.md").is_file()
 
 
 def test_demo_never_writes_into_a_directory_of_other_files(tmp_path, capsys):
@@ -36,29 +55,3 @@ def test_demo_never_writes_into_a_directory_of_other_files(tmp_path, capsys):
     assert "exists and is not an empty directory" in capsys.readouterr().err
     assert sorted(p.name for p in mine.iterdir()) == ["summary.md"]
     assert (mine / "summary.md").read_text() == "# my notes"
-
-
-def test_demo_runs_twice_into_the_same_folder_and_replaces_only_its_report(tmp_path, capsys):
-    out = tmp_path / "report"
-    assert cli.main(["demo", "--quick", "--out", str(out), "--json"]) == 0
-    first = json.loads(capsys.readouterr().out)
-    (out / "runs" / "bf16" / "stale.txt").write_text("from the first run")  # inside its own entries
-    assert cli.main(["demo", "--quick", "--out", str(out), "--json"]) == 0
-    captured = capsys.readouterr()
-    assert "replacing the previous report" in captured.err
-    second = json.loads(captured.out)
-    assert not (out / "runs" / "bf16" / "stale.txt").exists()
-    assert second["fp8_vs_bf16"] == first["fp8_vs_bf16"]  # the same seed: the same run
-    (out / "notes.md").write_text("mine")  # a file the demo did not write: refused, nothing removed
-    assert cli.main(["demo", "--quick", "--out", str(out)]) == 2
-    assert "also holds 'notes.md', which the demo did not write" in capsys.readouterr().err
-    assert (out / "notes.md").read_text() == "mine" and (out / "summary.md").is_file()
-
-
-def test_demo_progress_shows_without_a_terminal(tmp_path, capsys, monkeypatch):
-    from fp8sim.training import trainer
-
-    monkeypatch.setattr(trainer, "PROGRESS_LINE_S", 0.0)  # a line per step
-    assert cli.main(["demo", "--quick", "--out", str(tmp_path / "r")]) == 0
-    err = capsys.readouterr().err  # capsys's stderr is not a terminal
-    assert "bf16/emulator: step 12/12, loss" in err and "te-delayed/torch: step 1/12, loss" in err
