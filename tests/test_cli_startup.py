@@ -47,3 +47,19 @@ def test_the_lazy_package_attributes_resolve():
         assert getattr(fp8sim.training, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         fp8sim.nope
+
+
+def test_every_option_of_every_command_says_what_it_does_and_its_default():
+    import argparse
+
+    from fp8sim import cli
+
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, p in sub.choices.items():
+        for a in p._actions:
+            if isinstance(a, argparse._HelpAction) or a.help is argparse.SUPPRESS:
+                continue
+            assert a.help, (name, a.option_strings or a.dest)
+            if a.option_strings and a.default not in (None, False):  # a real default: shown
+                assert "default" in a.help, (name, a.option_strings, a.default)

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_demo_quick_writes_report_shows_progress_and_reruns(tmp_path, capsys, monkeypatch):
-    """One quick demo: its report and figures, progress lines without a terminal; then the same
-    command again replaces its own report (and only that); a foreign file makes it refuse."""
+    """One quick demo: its report and figures, progress lines without a terminal; run again into
+    the same folder it replaces its own report (and only that); a foreign file makes it refuse."""
     from fp8sim.training import trainer
 
     monkeypatch.setattr(trainer, "PROGRESS_LINE_S", 0.0)  # a line per step
@@ -35,16 +35,18 @@ def test_demo_quick_writes_report_shows_progress_and_reruns(tmp_path, capsys, mo
     # capsys's stderr is not a terminal: progress comes as lines
     assert "bf16/emulator: step 12/12, loss" in captured.err and "te-delayed/torch: step 1/12, loss" in captured.err
 
+    # run again into the same folder: the demo's own report is replaced, nothing else touched
     (out / "runs" / "bf16" / "stale.txt").write_text("from the first run")  # inside its own entries
-    assert cli.main(["demo", "--quick", "--out", str(out), "--json"]) == 0
-    captured = capsys.readouterr()
-    assert "replacing the previous report" in captured.err
-    assert not (out / "runs" / "bf16" / "stale.txt").exists()
-    assert json.loads(captured.out)["fp8_vs_bf16"] == fig["fp8_vs_bf16"]  # the same seed: the same run
     (out / "notes.md").write_text("mine")  # a file the demo did not write: refused, nothing removed
     assert cli.main(["demo", "--quick", "--out", str(out)]) == 2
     assert "also holds 'notes.md', which the demo did not write" in capsys.readouterr().err
-    assert (out / "notes.md").read_text() == "mine" and (out / "summary.md").is_file()
+    assert (out / "notes.md").read_text() == "mine" and (out / "runs" / "bf16" / "stale.txt").is_file()
+    (out / "notes.md").unlink()
+    from fp8sim.analysis.demo import _clear_previous_report
+
+    _clear_previous_report(out)  # what a rerun does first (the rest is the run above)
+    assert "replacing the previous report" in capsys.readouterr().err
+    assert list(out.iterdir()) == []
 
 
 def test_demo_never_writes_into_a_directory_of_other_files(tmp_path, capsys):

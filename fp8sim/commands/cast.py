@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cast", help="encode values: code (hex and fields), value, error")
     p.add_argument("values", nargs="+", help="numbers (float64, e.g. 1.1 464 -3e-5 inf nan)")
     p.add_argument("--format", "-f", default="e4m3", help="target format (default e4m3)")
-    p.add_argument("--rounding", "-r", default="rne", choices=ROUNDING_MODES)
+    p.add_argument("--rounding", "-r", default="rne", choices=ROUNDING_MODES,
+                   help="rounding mode (default %(default)s: to nearest, ties to even)")
     p.add_argument("--no-saturate", action="store_true",
                    help="OCP non-saturating overflow (inf, or NaN where no inf)")
     p.add_argument("--seed", type=int, default=None,

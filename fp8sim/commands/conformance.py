@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="float32 bit patterns in the sweep (default 2**22; 2**24 in the tests)")
     p.add_argument("--library", action="append", default=None,
                    help="only these libraries (torch, ml_dtypes, triton); repeatable")
-    p.add_argument("--examples", type=int, default=3, help="disagreements shown per check")
+    p.add_argument("--examples", type=int, default=3, help="disagreements shown per check (default %(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--fail-on-disagreement", action="store_true",
                    help="exit 1 if any library follows neither overflow rule")

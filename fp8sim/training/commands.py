@@ -93,10 +93,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="compare two training runs (loss, memory, FP8 events)",
         description="Compare run B against run A: final loss delta, bytes per parameter, overflow/underflow.",
     )
-    c.add_argument("run_a", metavar="RUN_A")
-    c.add_argument("run_b", metavar="RUN_B")
+    c.add_argument("run_a", metavar="RUN_A", help="the reference run directory (e.g. the bf16 run)")
+    c.add_argument("run_b", metavar="RUN_B", help="the run compared with it")
     c.add_argument("--plot", metavar="DIR", default=None, help="write loss_curves.png into DIR")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="print the comparison as JSON")
     c.set_defaults(func=run_compare)
 
 
