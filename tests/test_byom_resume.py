@@ -15,8 +15,9 @@ from tests.test_byom_convert import tiny_llama, tokens
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
-# one script for both halves: train steps FIRST..LAST of a te-delayed tiny Llama (AdamW), after
-# loading CKPT if it exists; print the losses (float.hex) and the FP8 step
+# one script for both processes: train steps FIRST..LAST of a te-delayed tiny Llama (AdamW), after
+# loading CKPT if it exists, saving model + optimizer state dicts to SAVE after step SAVE_AT;
+# print the losses (float.hex) and the FP8 step
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch
@@ -24,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     from tests.test_byom_convert import tiny_llama, tokens
 
     torch.set_num_threads(1)
-    first, last, ckpt, save = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    first, last, ckpt, save, save_at = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
     model = convert_to_fp8(tiny_llama(seed=1 if first > 1 else 0), "te-delayed")  # resumed: other init
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if first > 1:
@@ -40,15 +41,15 @@ SCRIPT = textwrap.dedent("""
         loss.backward()
         opt.step()
         out["losses"].append(float(loss).hex())
+        if step == save_at:  # a checkpoint in the middle of the run, as a user's loop takes it
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, save)
     out["step_end"] = state.step
-    if save != "-":
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, save)
     print(json.dumps(out))
 """)
 
 
-def _run(first, last, ckpt="-", save="-"):
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(first), str(last), ckpt, save], cwd=ROOT,
+def _run(first, last, ckpt="-", save="-", save_at=0):
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(first), str(last), ckpt, save, str(save_at)], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -56,10 +57,8 @@ def _run(first, last, ckpt="-", save="-"):
 
 def test_resume_from_model_and_optimizer_state_dicts_in_a_fresh_process_is_bit_exact(tmp_path):
     ck = str(tmp_path / "ck.pt")
-    full = _run(1, 6)
-    head = _run(1, 3, save=ck)
-    tail = _run(4, 6, ckpt=ck)
-    assert head["losses"] == full["losses"][:3]
+    full = _run(1, 6, save=ck, save_at=3)  # uninterrupted, checkpointed after step 3
+    tail = _run(4, 6, ckpt=ck)  # a fresh process resumes from that checkpoint
     assert tail["step_loaded"] == 3 and tail["step_end"] == 6 and full["step_end"] == 6  # no loop set it
     assert tail["losses"] == full["losses"][3:]
 
