@@ -132,7 +132,10 @@ def run_demo(
         factory = None
         if key in traces:
             def factory(m, _t=traces[key], _c=cfg):  # noqa: E306
-                return record(m, _t, chunk_steps=_c.checkpoint_every, save_every=max(1, steps // 2),
+                # statistics and histograms only, no full tensors: analyzing saved tensors would
+                # compile the statistics kernels (about 30 s on a first run, measured) for little
+                # the trace's histograms do not already say (verdict, replay: exact counts)
+                return record(m, _t, chunk_steps=_c.checkpoint_every, save_every=0,
                               config={"run": _c.to_dict()})
         trainer = Trainer(cfg, runs[key], corpus=corpus, recorder_factory=factory)
         if trainer.fp8 is not None:
