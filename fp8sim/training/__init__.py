@@ -26,8 +26,8 @@ _EXPORTS = {
     "register_recipe": "fp8sim.training.recipes",
     "Fp8Linear": "fp8sim.training.fp8_linear",
     "Fp8State": "fp8sim.training.fp8_linear",
-    "convert_to_fp8": "fp8sim.training.fp8_linear",
-    "get_fp8_state": "fp8sim.training.fp8_linear",
+    "convert_to_fp8": "fp8sim.training.convert",
+    "get_fp8_state": "fp8sim.training.convert",
     "TrainConfig": "fp8sim.training.config",
     "Trainer": "fp8sim.training.trainer",
     "Recorder": "fp8sim.training.recorder",
@@ -38,7 +38,8 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from fp8sim.training.config import GPTConfig, TrainConfig
-    from fp8sim.training.fp8_linear import Fp8Linear, Fp8State, convert_to_fp8, get_fp8_state
+    from fp8sim.training.convert import convert_to_fp8, get_fp8_state
+    from fp8sim.training.fp8_linear import Fp8Linear, Fp8State
     from fp8sim.training.model import GPT
     from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe, get_recipe, list_recipes, register_recipe
     from fp8sim.training.recorder import Recorder, record

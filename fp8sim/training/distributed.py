@@ -170,7 +170,7 @@ class DataParallel:
         """Set up the gradient communication and the optimizer (hyperparameters ``hp``) for
         ``model`` under ``recipe``; returns the module the forward goes through (DDP when
         ``world > 1``) and the optimizer."""
-        from fp8sim.training.fp8_linear import fp8_linears
+        from fp8sim.training.convert import fp8_linears
         from fp8sim.training.optim import Fp8AdamW
         from fp8sim.training.zero import ZeroFp8Weights
 

@@ -16,7 +16,7 @@ ddp.register_comm_hook(None, run.comm_hook)``.
 
 The levels, built from the same blocks as :func:`fp8sim.training.distributed.train_distributed`:
 
-* linear layers: :func:`~fp8sim.training.fp8_linear.convert_to_fp8` with the recipe's linear
+* linear layers: :func:`~fp8sim.training.convert.convert_to_fp8` with the recipe's linear
   level (power-of-two MS-AMP scaling; E4M3 weight gradients);
 * gradient communication (``grad_comm="fp8"``): :class:`~fp8sim.training.fp8_allreduce.Fp8GradReducer`
   -- E4M3 with AutoScale for the gradients the recipe's ``fp8_grads`` names (``all``: every
@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from fp8sim.training.fp8_allreduce import CommCounter, Fp8GradReducer
-from fp8sim.training.fp8_linear import ModuleFilter, convert_to_fp8, fp8_linears, get_fp8_state
+from fp8sim.training.convert import ModuleFilter, convert_to_fp8, fp8_linears, get_fp8_state
 from fp8sim.training.recipes import Recipe, get_recipe
 
 __all__ = ["Fp8LMTraining", "Fp8LMOptimizer", "prepare"]

@@ -31,7 +31,7 @@ from fp8sim.atomic_file import append_line, atomic_write
 from fp8sim.input_files import open_regular, read_json
 from fp8sim.training.checkpoint import CHECKPOINT_NAME, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from fp8sim.training.data import ByteCorpus, get_batch, load_corpus
-from fp8sim.training.fp8_linear import convert_to_fp8, get_fp8_state
+from fp8sim.training.convert import convert_to_fp8, get_fp8_state
 from fp8sim.training.config import BACKENDS, TrainConfig
 from fp8sim.training.model import GPT, GPTConfig
 from fp8sim.training.recipes import get_recipe
