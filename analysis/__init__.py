@@ -23,8 +23,9 @@ without loading numba.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fp8sim.lazy_exports import lazy_attributes
 
 #: public name -> the module that defines it
 _EXPORTS = {
@@ -64,13 +65,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from fp8sim.analysis.trace_summary import TraceSummary
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'fp8sim.analysis' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())

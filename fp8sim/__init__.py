@@ -13,8 +13,9 @@ The names below are imported on first use (PEP 562), so ``import fp8sim`` -- and
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fp8sim.lazy_exports import lazy_attributes
 
 #: public name -> the module that defines it
 _EXPORTS = {
@@ -35,13 +36,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from fp8sim.formats import ROUNDING_MODES, FloatFormat, get_format, list_formats
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'fp8sim' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())

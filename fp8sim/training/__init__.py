@@ -11,8 +11,9 @@ without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fp8sim.lazy_exports import lazy_attributes
 
 #: public name -> the module that defines it
 _EXPORTS = {
@@ -25,7 +26,7 @@ _EXPORTS = {
     "list_recipes": "fp8sim.training.recipes",
     "register_recipe": "fp8sim.training.recipes",
     "Fp8Linear": "fp8sim.training.fp8_linear",
-    "Fp8State": "fp8sim.training.fp8_linear",
+    "Fp8State": "fp8sim.training.fp8_state",
     "convert_to_fp8": "fp8sim.training.convert",
     "get_fp8_state": "fp8sim.training.convert",
     "TrainConfig": "fp8sim.training.config",
@@ -39,20 +40,12 @@ __all__ = list(_EXPORTS)
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from fp8sim.training.config import GPTConfig, TrainConfig
     from fp8sim.training.convert import convert_to_fp8, get_fp8_state
-    from fp8sim.training.fp8_linear import Fp8Linear, Fp8State
+    from fp8sim.training.fp8_linear import Fp8Linear
+    from fp8sim.training.fp8_state import Fp8State
     from fp8sim.training.model import GPT
     from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe, get_recipe, list_recipes, register_recipe
     from fp8sim.training.recorder import Recorder, record
     from fp8sim.training.trainer import Trainer
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'fp8sim.training' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())

@@ -9,7 +9,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from fp8sim.training.fp8_linear import Fp8Linear, Fp8State, in_backward, is_hf_conv1d
+from fp8sim.training.fp8_linear import Fp8Linear, in_backward, is_hf_conv1d
+from fp8sim.training.fp8_state import Fp8State
 from fp8sim.training.recipes import LinearRecipe, Recipe
 
 __all__ = ["ModuleFilter", "convert_to_fp8", "fp8_linears", "get_fp8_state"]

@@ -34,7 +34,8 @@ import torch.nn as nn
 from fp8sim.formats import get_format
 from fp8sim.trace import TraceReader, TraceWriter
 from fp8sim.training.convert import fp8_linears, get_fp8_state
-from fp8sim.training.fp8_linear import Fp8Operand, is_hf_conv1d
+from fp8sim.training.fp8_linear import is_hf_conv1d
+from fp8sim.training.fp8_state import Fp8Operand
 from fp8sim.training.recipes import CastConfig, get_recipe
 
 __all__ = ["Recorder", "record"]
