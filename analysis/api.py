@@ -345,7 +345,7 @@ def replay(
     """
     from fp8sim.analysis.policy_replay import replay_policies
     from fp8sim.analysis.report import REPLAY_FAIL_METRICS, parse_fail_on
-    from fp8sim.policies import parse_policy
+    from fp8sim.scaling_config import parse_scaling, scaling_spec
     from fp8sim.trace import TraceReader, is_trace
 
     try:
@@ -367,7 +367,7 @@ def replay(
         reader = TraceReader(shown)
     n_records = int(reader.scalars()["step"].size)
     # one per policy, however often it is spelled (replay_policies replays it once)
-    n_pol = len({parse_policy(p).spec for p in specs}) + (1 if include_recorded else 0)
+    n_pol = len({scaling_spec(*parse_scaling(p)) for p in specs}) + (1 if include_recorded else 0)
     bar = _progress(n_records * n_pol, progress, "rec")
     try:
         replays = replay_policies(reader, specs, include_recorded=include_recorded,

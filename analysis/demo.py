@@ -96,7 +96,7 @@ def run_demo(
     from fp8sim.training.compare import compare_runs, plot_loss_curves
     from fp8sim.training.data import load_corpus
     from fp8sim.training.model import GPTConfig
-    from fp8sim.training.recipes import get_recipe
+    from fp8sim.recipes import get_recipe
     from fp8sim.training.trainer import TrainConfig, Trainer
 
     if not get_recipe(recipe).is_fp8:

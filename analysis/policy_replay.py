@@ -1,15 +1,16 @@
 """Replay scaling policies over a recorded trace: what each policy would have done, step by step
 (the columns; :func:`fp8sim.analysis.replay` wraps them in a result).
 
-For every policy (a :func:`fp8sim.policies.parse_policy` spec, fresh state) the trace's records
-are fed in order (steps ascending; within a step in recording order). Per record:
+For every policy (a spec, parsed by :func:`fp8sim.scaling_config.parse_scaling`, fresh state) the
+trace's records are fed in order (steps ascending; within a step in recording order) to the same
+:class:`~fp8sim.quantizer.Quantizer` that casts in training. Per record:
 
-1. ``scale = policy.scale_for(name, fmt, current_amax=amax)`` (the recorded amax);
+1. ``scale = quantizer.scale_for(name, amax)`` (the recorded amax);
 2. from the record's |x| histogram, the overflow and underflow counts of the cast
    ``encode(float32(float32(x) * scale))`` under the trace's rounding -- exact when ``scale`` is a
    power of two, else a (lower, upper) bracket (the histogram bin that straddles the threshold);
    an *overflow event* when the amax itself rounds above ``fmt.max`` after scaling (exact);
-3. ``policy.observe(name, amax, fmt, numel=..., n_at_max=..., overflow=...)``, where ``n_at_max``
+3. ``quantizer.observe(name, amax, numel=..., n_at_max=..., overflow=...)``, where ``n_at_max``
    counts values that land on ``+-fmt.max`` in the saturating cast, infs included (the FP8-LM
    auto-scaling signal, as ``policy.quantize`` counts it; for a non-power-of-two scale the
    midpoint of its bracket).
@@ -27,7 +28,7 @@ policy's cast of the saved tensor (round to nearest even, saturating: what ``fp8
 --scaling ...`` reports): ``overflow`` the values whose scaled magnitude rounds above the
 format's max, ``underflow`` the nonzero finite values that become 0; ``event`` is ``overflow >
 0`` (some group's amax overflowed); ``scale`` the multiplier of the group holding the tensor
-amax (``policy.scale_for``). NVFP4 policies cast to E2M1 whatever the recorded format, with the
+amax (``quantizer.scale_for``). NVFP4 policies cast to E2M1 whatever the recorded format, with the
 E4M3 block scales and the tensor scale of :mod:`fp8sim.nvfp4` (compressed-tensors' variant,
 whose cast divides, is not replayed: ``analyze`` does not count it either). ``mx`` and block
 ``current`` policies keep the recorded format and need a round-to-nearest-even trace.
@@ -148,21 +149,46 @@ def _at_max(hist, fmt, scale: float) -> tuple[int, int]:
     return hist.count_scaled_above(fmt.max - half_ulp, scale, inclusive=even)
 
 
+class _Replayed:
+    """One policy spec under replay: its typed config and granularity, one policy state shared
+    by a :class:`~fp8sim.quantizer.Quantizer` per recorded format (the scale decisions)."""
+
+    def __init__(self, spec: str) -> None:
+        from fp8sim.scaling_config import parse_scaling, scaling_spec
+
+        self.config, self.granularity = parse_scaling(spec)
+        self.spec = scaling_spec(self.config, self.granularity)
+        self.policy = self.config.build()
+        self._quantizers: dict[str, object] = {}
+
+    def quantizer(self, fmt):
+        """The quantizer of a recorded format (NVFP4 decides for E2M1 whatever the format)."""
+        from fp8sim.quantizer import Quantizer
+        from fp8sim.recipes import CastConfig
+
+        if fmt.name not in self._quantizers:
+            cast_fmt = get_format("e2m1") if self.granularity.kind == "nvfp4" else fmt
+            self._quantizers[fmt.name] = Quantizer(CastConfig(cast_fmt, self.config, self.granularity),
+                                                   policy=self.policy)
+        return self._quantizers[fmt.name]
+
+
 def needs_full_tensors(policy) -> bool:
-    """Whether a policy (spec or object) scales per group (block, MX, NVFP4, row, col), so that
-    it is replayed from the trace's saved full tensors only."""
-    from fp8sim.policies import parse_policy
+    """Whether a policy spec scales per group (block, MX, NVFP4, row, col), so that it is
+    replayed from the trace's saved full tensors only."""
+    from fp8sim.scaling_config import parse_scaling
 
-    return parse_policy(policy).granularity != "tensor"
+    if not isinstance(policy, str):
+        return policy.granularity != "tensor"  # a policy object (its spec's granularity)
+    return parse_scaling(policy)[1].kind != "tensor"
 
 
-def _block_variant(pol, spec: str, rounding: str) -> Callable:
+def _block_variant(pol: _Replayed, spec: str, rounding: str) -> Callable:
     """A function ``fmt -> analysis Variant`` of a block-scaled policy's cast (the recorded
     format, or E2M1 for NVFP4), after checking it can be replayed (ValueError otherwise)."""
     from fp8sim.analysis.stats import parse_variants
-    from fp8sim.scaling import parse_granularity
 
-    g = parse_granularity(pol.granularity)
+    g = pol.granularity
     margin, pow2 = 0.0, False
     if g.kind == "nvfp4":
         if g.variant == "compressed-tensors":
@@ -172,11 +198,13 @@ def _block_variant(pol, spec: str, rounding: str) -> Callable:
         raise ValueError(f"policy {spec!r}: block-scaled policies are replayed with round to "
                          f"nearest even; this trace rounds {rounding}")  # fmt: skip
     elif g.kind != "mx":  # current with row, col or block:RxC
-        p = pol.params
-        if p["epsilon"] != 0.0:
+        c = pol.config
+        if getattr(c, "epsilon", 0.0) != 0.0:
             raise ValueError(f"policy {spec!r}: epsilon is not replayed for {g.spec} scaling "
                              "(give epsilon=0)")  # fmt: skip
-        margin, pow2 = float(p["margin"]), bool(p["pow2"])
+        if c.NAME != "current":
+            raise ValueError(f"policy {spec!r}: {c.NAME} scaling per {g.spec} is not replayed (current only)")
+        margin, pow2 = float(c.margin), bool(c.pow2)
     cache: dict[str, object] = {}
 
     def variant(fmt) -> object:
@@ -204,21 +232,20 @@ def replay_policies(
     replay: see the module docstring). ``progress(n)`` is called per record and policy.
     """
     from fp8sim.analysis.stats import tensor_stats
-    from fp8sim.policies import parse_policy
 
     reader = trace if isinstance(trace, TraceReader) else TraceReader(trace)
     rounding = reader.rounding
     policies = []
     for spec in specs:
-        pol = parse_policy(spec)
+        pol = _Replayed(spec)
         if all(pol.spec != p.spec for _, p, _ in policies):  # the same policy spelled twice: once
-            block = _block_variant(pol, spec, rounding) if needs_full_tensors(pol) else None
+            block = _block_variant(pol, spec, rounding) if pol.granularity.kind != "tensor" else None
             policies.append((spec, pol, block))
     saved = set(reader.saved_tensors()) if any(b for _, _, b in policies) else set()
     for spec, pol, block in policies:
         if block is not None and not saved:
             raise ValueError(
-                f"policy {spec!r}: {pol.granularity} scaling needs per-block amaxes, which a "
+                f"policy {spec!r}: {pol.granularity.spec} scaling needs per-block amaxes, which a "
                 "per-tensor record does not hold, and this trace saved no full tensor to replay "
                 "it from (record with --save-every K)"
             )
@@ -255,18 +282,20 @@ def replay_policies(
                         progress(1)
                     continue
                 st, vs = full[0], full[1][k]
-                scale = float(pol.scale_for(rec.name, fmt, current_amax=rec.amax))
+                q = pol.quantizer(fmt)
+                scale = q.scale_for(rec.name, rec.amax)
                 ov, un, exact = (vs.overflow, vs.overflow), (vs.underflow, vs.underflow), True
-                pol.observe(rec.name, rec.amax, fmt, numel=st.numel)
+                q.observe(rec.name, rec.amax, numel=st.numel)
                 row = (st.finite, st.nonzero, vs.overflow > 0)
             else:
-                scale = float(pol.scale_for(rec.name, fmt, current_amax=rec.amax))
+                q = pol.quantizer(fmt)
+                scale = q.scale_for(rec.name, rec.amax)
                 ov = rec.hist.overflow_bounds(fmt, scale, rounding)
                 un = rec.hist.underflow_bounds(fmt, scale, rounding)
                 exact = ov[0] == ov[1] and un[0] == un[1]
                 am = _at_max(rec.hist, fmt, scale)
-                pol.observe(
-                    rec.name, rec.amax, fmt, numel=rec.numel,
+                q.observe(
+                    rec.name, rec.amax, numel=rec.numel,
                     n_at_max=int(round(sum(am) / 2)) + rec.inf,  # +-inf saturate to +-max
                     overflow=int(round(sum(ov) / 2)),
                 )  # fmt: skip

@@ -2,14 +2,18 @@
 
     python benchmarks/bench_emulator.py [--log2n 26] [--reps 7] [--markdown]
 
+Needs ml_dtypes besides fp8sim (``pip install ml_dtypes``; the test extra has it).
+
 Rows: float32 -> e4m3 / e5m2 encode (rne, saturating; a fresh result every time, its pages
 faulted in by the kernel, as torch's ``.to()`` does), the e4m3 encode again into a preallocated
 ``out=`` (against torch's ``copy_`` into a preallocated float8 tensor: neither side pays for the
 zeroed pages of a fresh 64 MiB result), decode e4m3 -> float32, float64 -> e4m3 encode,
 stochastic encode (Philox), and a floor: reading the float32 input once (a parallel max over its
-bits, no output) against torch's ``.to()`` -- no encode of that input can beat that ratio. Columns: time of each contender (median of --reps runs after
-a warm-up; the emulator, its contenders and the copy run in turn within every repetition, so all
-meet the same machine state) and the emulator's speed relative to it (> 1 means the emulator is faster).
+bits, no output) against torch's ``.to()`` -- no encode of that input can beat that ratio. Columns:
+time of each contender (median of --reps runs after three warm-up rounds; the emulator, its
+contenders and the copy run in turn within every repetition, the order reversed every other one,
+so all meet the same machine state) and the emulator's speed relative to it (> 1 means the
+emulator is faster): the median of the per-repetition ratios, paired within a repetition.
 Contenders: torch's CPU cast (``.to(torch.float8_e4m3fn)`` / ``.to(torch.float32)``), ml_dtypes
 ``astype``, and a numpy copy of the same array (the memory-bandwidth yardstick; "element rate"
 = elements per second, so 100% means as many elements per second as the copy).
@@ -42,7 +46,8 @@ def _read_once_kernel():
 
 
 def _median_time(fn, reps: int) -> float:
-    fn()  # warm-up (numba compile, page faults)
+    for _ in range(WARMUP):
+        fn()  # warm-up (numba compile, page faults, the allocator's steady state)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -51,23 +56,39 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+#: warm-up rounds before timing: the first calls compile (numba) and fault pages in, and the
+#: allocator needs a few rounds of 64 MiB results before it returns them at a steady cost
+WARMUP = 3
+
+
 def _interleaved_times(fns: dict, reps: int) -> dict:
-    """Median seconds of each function, the functions run in turn within every repetition."""
-    for fn in fns.values():
-        fn()  # warm-up (numba compile, first page faults)
-    times: dict = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
+    """Per-repetition seconds of each function: after :data:`WARMUP` rounds, every repetition
+    runs each function once, in turn, the order reversed every other repetition (no contender
+    always runs after the same one), so all meet the same machine state."""
+    for _ in range(WARMUP):
+        for fn in fns.values():
             fn()
+    times: dict = {k: [] for k in fns}
+    keys = list(fns)
+    for i in range(reps):
+        for k in keys if i % 2 == 0 else keys[::-1]:
+            t0 = time.perf_counter()
+            fns[k]()
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def _paired_ratio(contender: list, emu: list) -> float:
+    """The median over repetitions of contender time / emulator time, paired within each
+    repetition (a load spike hits both sides of a pair, so the pairs' ratios are steadier than
+    the ratio of the two medians)."""
+    return statistics.median(c / e for c, e in zip(contender, emu))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--log2n", type=int, default=26)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = ap.parse_args()
 
@@ -94,10 +115,15 @@ def main() -> None:
         """Time the emulator (key "emu") and its contenders interleaved: every repetition runs
         each once, in turn, so all of them meet the same machine state (load, free huge pages)."""
         fns = {**fns, "numpy copy": lambda: np.copyto(copy_dst, x32)}
-        times = _interleaved_times(fns, r)
+        runs = _interleaved_times(fns, r)
+        emu = runs.pop("emu")
+        t_emu = statistics.median(emu)
+        times = {k: statistics.median(v) for k, v in runs.items()}
+        ratios = {k: _paired_ratio(v, emu) for k, v in runs.items()}
         if ml is not None:  # ml_dtypes is slow: 1/8 of the data, scaled (its cost is linear in n)
             times["ml_dtypes"] = 8 * _median_time(ml, max(3, r // 2))
-        rows.append((name, times.pop("emu"), times))
+            ratios["ml_dtypes"] = times["ml_dtypes"] / t_emu
+        rows.append((name, t_emu, times, ratios))
 
     row("f32->e4m3 rne sat, fresh memory", {"emu": lambda: fp8sim.encode(x32, "e4m3"),
                                             "torch": lambda: t32.to(torch.float8_e4m3fn)},
@@ -124,15 +150,16 @@ def main() -> None:
     header = ["operation", "emulator ms"] + [f"{c} ms" for c in names] + [
         "speed vs torch", "vs ml_dtypes", "element rate vs copy"]
     lines = []
-    for name, t_emu, cont in rows:
+    for name, t_emu, cont, ratio in rows:
         cells = [name, f"{t_emu * 1e3:.1f}"]
         for c in names:
             cells.append(f"{cont[c] * 1e3:.1f}" if c in cont else "-")
         for c in names:
-            cells.append(f"{cont[c] / t_emu:.2f}x" if c in cont else "-")
-        cells[-1] = f"{100 * cont['numpy copy'] / t_emu:.0f}%"
+            cells.append(f"{ratio[c]:.2f}x" if c in ratio else "-")
+        cells[-1] = f"{100 * ratio['numpy copy']:.0f}%"
         lines.append(cells)
-    info = (f"n = 2**{args.log2n} elements, median of {r} runs; {platform.processor() or platform.machine()}, "
+    info = (f"n = 2**{args.log2n} elements, {WARMUP} warm-up rounds, median of {r} interleaved runs (ratios: "
+            f"median of the runs' paired ratios); {platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} cores, numba threads {__import__('numba').get_num_threads()}, "
             f"torch threads {torch.get_num_threads()}")
     if args.markdown:

@@ -23,15 +23,35 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
-__all__ = ["FloatFormat", "get_format", "list_formats", "FORMATS", "NAN_KINDS", "ROUNDING_MODES"]
+__all__ = ["FloatFormat", "get_format", "list_formats", "FORMATS", "NAN_KINDS", "ROUNDING_MODES", "Rounding"]
 
 NAN_KINDS = ("ieee", "fn", "fnuz", "none")
 
-#: the rounding modes the emulator implements (the exact rules: ``fp8sim._numba.encode_core``)
-ROUNDING_MODES = ("rne", "rna", "rtz", "up", "down", "odd", "stochastic")
+
+class Rounding(str, Enum):
+    """The rounding modes the emulator implements (exact rules: ``fp8sim._numba.encode_core``).
+
+    A ``str`` enum: ``Rounding.RNE == "rne"``, so every function that takes a rounding name takes
+    a member too. Strings are parsed into members once, at the edges (``Rounding(name)``)."""
+
+    RNE = "rne"  #: round to nearest, ties to even (IEEE default; every GPU cast)
+    RNA = "rna"  #: round to nearest, ties away from zero
+    RTZ = "rtz"  #: round toward zero (truncate)
+    UP = "up"  #: round toward +inf
+    DOWN = "down"  #: round toward -inf
+    ODD = "odd"  #: round to odd (sticky: a later rounding is free of double-rounding errors)
+    STOCHASTIC = "stochastic"  #: away from zero with probability = the discarded fraction (Philox)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: the rounding modes' names, in :class:`Rounding` order
+ROUNDING_MODES = tuple(r.value for r in Rounding)
 
 
 @dataclass(frozen=True)

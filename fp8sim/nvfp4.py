@@ -72,6 +72,7 @@ from typing import Any
 import numpy as np
 
 from fp8sim.emulator import decode, encode
+from fp8sim.granularity import NVFP4_LAYOUTS, NVFP4_VARIANTS, check_layout, check_variant
 
 __all__ = [
     "NVFP4_BLOCK",
@@ -80,6 +81,7 @@ __all__ = [
     "NVFP4Parts",
     "check_variant",
     "check_layout",
+    "block_decode_scale_torch",
     "tensor_scale_for",
     "block_scales",
     "cast_multiplier",
@@ -92,9 +94,6 @@ __all__ = [
 ]
 
 NVFP4_BLOCK = 16
-NVFP4_LAYOUTS = {"1x16": (1, 16), "16x1": (16, 1), "16x16": (16, 16)}
-NVFP4_VARIANTS = ("te", "torchao", "torchao-block", "compressed-tensors")
-_VARIANT_ALIASES = {"ct": "compressed-tensors", "transformer-engine": "te"}
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 _F32_TINY = np.float32(np.finfo(np.float32).tiny)  # 2**-126
@@ -106,25 +105,6 @@ _RCP_6 = np.float32(1.0 / 6.0)
 _RCP_GLOBAL = np.float32(1.0 / (448.0 * 6.0))
 _E4M3_NAN = np.uint8(0x7F)
 _CT_ZERO_SCALE = np.float32(0.125)
-
-
-def check_variant(variant: str) -> str:
-    """The canonical variant name (one of :data:`NVFP4_VARIANTS`; ``ct`` is an alias)."""
-    key = str(variant).strip().lower()
-    key = _VARIANT_ALIASES.get(key, key)
-    if key not in NVFP4_VARIANTS:
-        raise ValueError(f"unknown NVFP4 variant {variant!r}; valid: {', '.join(NVFP4_VARIANTS)}")
-    return key
-
-
-def check_layout(layout: str | tuple[int, int]) -> tuple[int, int]:
-    """``"1x16"``, ``"16x1"``, ``"16x16"`` (or the tuple) as the block ``(R, C)``."""
-    if isinstance(layout, tuple) and layout in NVFP4_LAYOUTS.values():
-        return layout
-    key = str(layout).strip().lower()
-    if key not in NVFP4_LAYOUTS:
-        raise ValueError(f"unknown NVFP4 block layout {layout!r}; valid: {', '.join(NVFP4_LAYOUTS)}")
-    return NVFP4_LAYOUTS[key]
 
 
 def _check_amax(global_amax: Any) -> np.float32:
@@ -225,6 +205,23 @@ def block_decode_scale(block_scale: Any, tensor_scale: Any, variant: str = "te")
         else:
             out = b / t
     return np.asarray(out, dtype=np.float32)
+
+
+def block_decode_scale_torch(block_scale: Any, tensor_scale: Any, variant: str = "te") -> Any:
+    """:func:`block_decode_scale` on torch tensors of any device (the same float32 operations
+    in the same order, so the same values bit for bit)."""
+    import torch
+
+    variant = check_variant(variant)
+    b = block_scale.to(torch.float32)
+    t = torch.as_tensor(tensor_scale, dtype=torch.float32, device=b.device)
+    if variant == "te":
+        return (b * t) * torch.tensor(_RCP_GLOBAL, device=b.device)
+    if variant == "torchao":
+        return t * b
+    if variant == "torchao-block":
+        return b.clone()
+    return b / t
 
 
 def gemm_alpha(tensor_scale_a: Any, tensor_scale_b: Any, variant: str = "te") -> np.float32:

@@ -1,21 +1,27 @@
-"""Scaling policies: small stateful objects that choose the multiplier applied before each cast.
+"""Scaling policies: the rules that choose the multiplier applied before each cast, over steps.
 
-One policy object serves many tensors, keyed by name. Per training step and tensor, the caller
+Two objects per policy:
 
-1. asks ``scale = policy.scale_for(name, fmt, current_amax=amax)`` (``current_amax`` is needed
-   only when ``policy.just_in_time``; the others ignore it),
-2. casts ``encode(float32(x) * scale)`` (see :func:`fp8sim.scaling.quantize_scaled`),
-3. reports ``policy.observe(name, amax, fmt, **stats)`` once, after the cast.
+* a **config** -- a frozen, typed dataclass (:class:`CurrentScalingConfig`,
+  :class:`DelayedScalingConfig`, :class:`MSAMPScalingConfig`, :class:`AutoScaleConfig`,
+  :class:`StaticScalingConfig`): what a recipe holds and what ``"name:key=value"`` specs parse
+  into (:func:`parse_scaling`, once, at the edges);
+* a **policy** -- the stateful object built from it (``config.build()``), holding per-tensor
+  state keyed by tensor name: ``scale_for(name, fmt, current_amax)``, ``observe(name, amax, fmt,
+  **stats)``, ``state_dict()`` / ``load_state_dict()`` (plain Python data, so a run resumes and a
+  trace replays step by step with the same results).
 
-:meth:`ScalingPolicy.quantize` does all three on an array. ``state_dict()`` /
-``load_state_dict()`` hold plain Python data (floats, ints, lists, strings), so a run can resume
-and a trace can be replayed step by step with the same results.
+Casts go through :class:`fp8sim.quantizer.Quantizer` (policy + granularity + format + rounding),
+the one place that runs amax -> scale -> cast -> observe, for training, replay and analysis alike.
+A scaling config says *when* the amax is taken (this step's, a history's); the granularity
+(:class:`fp8sim.scaling.Granularity`: tensor, row, block, MX, NVFP4) says *over what*. Block
+granularities take their scales just in time from each block's amax with the ``current`` rule
+(MX: the E8M0 rule; NVFP4: the two-level rule).
 
-Policies and their exact rules (specs parsed by :func:`parse_policy`; ``fp8sim policies`` lists
-them with their parameters):
+Policies and their exact rules (``fp8sim policies`` lists them with their parameters):
 
 * ``current`` -- just in time: :func:`fp8sim.scaling.scale_from_amax` of this step's amax
-  (amax 0 / inf / NaN gives 1). ``gran`` picks per-row/col/block scales for :meth:`quantize`.
+  (amax 0 / inf / NaN gives 1), with ``margin``, ``pow2`` and ``epsilon``.
 * ``delayed`` -- Transformer Engine's ``DelayedScaling``: the amax history holds the last
   ``history`` amaxes (zeros before the first steps), rolled at every step whose amax is not 0 (TE's
   bulk update leaves history and scale alone on an amax of 0); the reduced amax is their maximum
@@ -40,43 +46,31 @@ them with their parameters):
   ``mu > 1`` deliberately saturates the top of the range: ``mu`` is the headroom an all-reduce sum
   needs, and the observed share of saturated values steers it.
 * ``static`` -- a fixed scale.
-* ``mx`` -- MX block scaling (granularity ``mx`` / ``mx:rceil``, E8M0 scales per 32 elements);
-  ``scale_for`` gives the multiplier of one block whose amax is ``current_amax``.
-* ``nvfp4`` -- NVFP4 two-level scaling (:mod:`fp8sim.nvfp4`): E2M1 elements whatever ``fmt``
-  says, an E4M3 scale per 16 elements (``layout`` 1x16, 16x1 or 16x16), a float32 tensor scale
-  from this step's tensor amax, with the ``variant``'s rules (Transformer Engine by default).
-  ``scale_for`` gives the multiplier of the block holding the tensor amax.
+* ``torchao`` -- torchao.float8's dynamic scaling (:class:`TorchaoScalingConfig`): this step's
+  amax, ``float32(fmax / max(float64(amax), 1e-12))``, optionally ``exp2(floor(log2(scale)))``.
+
+Spec strings also name block scalings, which parse into a granularity and ``current``:
+``mx`` / ``mx:rceil`` (E8M0 scales per 32 elements), ``nvfp4[:layout=..,variant=..]`` (NVFP4's
+two levels) and ``current:gran=row|col|block:RxC``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from typing import Any, ClassVar
 
 import numpy as np
 
 from fp8sim.formats import FloatFormat, get_format
-from fp8sim.policy_params import (
-    Param,
-    bare_word,
-    check_count,
-    check_margin,
-    coerce_params,
-    split_items,
-    format_param,
-)
-from fp8sim.nvfp4 import (NVFP4_VARIANTS, block_decode_scale, block_scales, cast_multiplier,
-                          check_layout, check_variant, tensor_scale_for)  # fmt: skip
-from fp8sim.scaling import (
-    MX_RULES,
-    ScaledTensor,
-    compute_amax,
-    mx_shared_scale,
-    parse_granularity,
-    quantize_scaled,
-    scale_from_amax,
-)
+from fp8sim.policy_params import format_param
+from fp8sim.scaling import Granularity, ScaledTensor, block_multiplier, scale_from_amax
+from fp8sim.scaling_config import (POLICY_SPECS, AmaxAlgo, AutoScaleBase, AutoScaleConfig, CurrentScalingConfig,
+                                   DelayedScalingConfig, MSAMPScalingConfig, ScalingConfig, StaticScalingConfig,
+                                   TorchaoScalingConfig, parse_scaling, scaling_spec)  # fmt: skip
+from fp8sim.scaling_config import plain_value
 
+# the configs and the spec language are fp8sim.scaling_config's (imported here for the policies)
 __all__ = [
     "ScalingPolicy",
     "CurrentScaling",
@@ -84,10 +78,14 @@ __all__ = [
     "MSAMPScaling",
     "AutoScale",
     "StaticScaling",
+    "TorchaoScaling",
     "MXScaling",
     "NVFP4Scaling",
     "POLICY_SPECS",
+    "parse_scaling",
+    "scaling_spec",
     "parse_policy",
+    "policy_class",
     "format_param",
 ]
 
@@ -110,43 +108,70 @@ def _check_amax(amax: Any, where: str) -> float:
     return _f32(a)
 
 
+# -- policies: the state over steps ------------------------------------------------------------------
+
+
 class ScalingPolicy:
-    """Base class. Subclasses set ``NAME``, ``DESCRIPTION``, ``PARAMS`` and the four methods.
+    """Base of the stateful policies: one object serves many tensors, keyed by name.
+
+    Per step and tensor the caller (:class:`fp8sim.quantizer.Quantizer`) asks
+    ``scale_for(name, fmt, current_amax=amax)`` (``current_amax`` needed only when
+    ``just_in_time``), casts, then reports ``observe(name, amax, fmt, **stats)`` once.
 
     Attributes:
-        spec: canonical spec string, every parameter spelled out (``parse_policy(p.spec)``
-            builds an equal policy).
-        just_in_time: whether :meth:`scale_for` may need this step's amax (``current_amax``).
-        granularity: the scaling granularity this policy casts with (``"tensor"`` unless
-            noted); :meth:`quantize` uses it.
+        config: the frozen :class:`ScalingConfig`.
+        spec: canonical spec string (:func:`parse_policy` of it builds an equal policy).
+        just_in_time: whether :meth:`scale_for` may need this step's amax.
+        granularity: the granularity a spec named (``"tensor"`` unless ``gran=``, ``mx``,
+            ``nvfp4``): what :meth:`quantize` casts with.
     """
 
-    NAME: ClassVar[str] = ""
-    DESCRIPTION: ClassVar[str] = ""
-    PARAMS: ClassVar[dict[str, Param]] = {}
-    just_in_time: bool = False
+    Config: ClassVar[type[ScalingConfig]] = ScalingConfig
 
-    def __init__(self, **params: Any) -> None:
-        self.params = coerce_params(self.NAME, self.PARAMS, params)
+    def __init__(self, config: ScalingConfig | None = None, /, **params: Any) -> None:
+        if config is None:
+            config = self.Config.from_params(params)
+        elif params or not isinstance(config, self.Config):
+            raise TypeError(f"{type(self).__name__}: pass a {self.Config.__name__} or keyword parameters")
+        self.config = config
+        self._granularity = Granularity.tensor()
         self._tensors: dict[str, dict] = {}
 
     # -- identity ----------------------------------------------------------------------------
     @property
+    def NAME(self) -> str:  # noqa: N802 (the spec name, as the classes' old attribute)
+        return self.config.NAME
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The spec's parameters as plain data (enum members as their values)."""
+        g = self._granularity
+        if g.kind == "mx":
+            return {"rule": g.mx_rule.value}
+        if g.kind == "nvfp4":
+            return {"layout": "x".join(map(str, g.block)), "variant": g.variant}
+        out = {f.name: plain_value(getattr(self.config, f.name)) for f in fields(self.config)}
+        if isinstance(self.config, (CurrentScalingConfig, TorchaoScalingConfig)):
+            out["gran"] = g.spec
+        return out
+
+    @property
     def spec(self) -> str:
-        body = ",".join(f"{k}={format_param(v)}" for k, v in self.params.items())
-        return f"{self.NAME}:{body}" if body else self.NAME
+        return scaling_spec(self.config, self._granularity)
 
     @property
     def granularity(self) -> str:
-        return "tensor"
+        return self._granularity.spec
+
+    @property
+    def just_in_time(self) -> bool:
+        return self.config.just_in_time
 
     def __repr__(self) -> str:
         return f"parse_policy({self.spec!r})"
 
     # -- the protocol --------------------------------------------------------------------------
-    def scale_for(
-        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
-    ) -> float:
+    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
         """The multiplier applied to tensor ``name`` before its cast to ``fmt`` this step."""
         raise NotImplementedError
 
@@ -154,55 +179,30 @@ class ScalingPolicy:
         """Record this step's ``amax`` of tensor ``name`` (once per step, after the cast).
 
         ``stats`` may carry ``numel`` and ``n_at_max`` (values cast to +-fmt.max) or
-        ``overflow`` (the trace's count); policies that need none of them ignore them.
-        """
+        ``overflow`` (the trace's count); policies that need none of them ignore them."""
+        _check_amax(amax, f"{self.NAME}.observe({name!r})")
 
     def state_dict(self) -> dict:
         """``{"policy": spec, "tensors": {name: plain-data state}}``."""
-        return {
-            "policy": self.spec,
-            "tensors": {k: _copy_state(v) for k, v in self._tensors.items()},
-        }
+        return {"policy": self.spec, "tensors": {k: _copy_state(v) for k, v in self._tensors.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         """Restore a :meth:`state_dict` of a policy with the same spec (ValueError otherwise)."""
         if not isinstance(d, dict) or "policy" not in d or "tensors" not in d:
             raise ValueError("load_state_dict: expected a dict with 'policy' and 'tensors' keys")
         if d["policy"] != self.spec:
-            raise ValueError(
-                f"load_state_dict: state is for {d['policy']!r}, this policy is {self.spec!r}"
-            )
+            raise ValueError(f"load_state_dict: state is for {d['policy']!r}, this policy is {self.spec!r}")
         self._tensors = {str(k): _copy_state(v) for k, v in d["tensors"].items()}
 
-    # -- convenience ---------------------------------------------------------------------------
-    def quantize(
-        self, name: str, x: Any, fmt: FloatFormat | str, *, observe: bool = True, **cast: Any
-    ) -> ScaledTensor:
-        """amax -> :meth:`scale_for` -> :func:`~fp8sim.scaling.quantize_scaled` -> :meth:`observe`.
+    def quantize(self, name: str, x: Any, fmt: FloatFormat | str, *, observe: bool = True, **cast: Any) -> ScaledTensor:
+        """amax -> scale -> cast -> observe of a numpy array or CPU tensor (numpy out): the
+        :class:`~fp8sim.quantizer.Quantizer` protocol on this policy (``cast``: ``rounding``,
+        ``saturate``, ``seed``, ``srbits``)."""
+        from fp8sim.quantizer import quantize_numpy
 
-        ``cast``: ``rounding``, ``saturate``, ``seed``, ``srbits``. The tensor amax skips NaN
-        (as Transformer Engine's ``fmaxf`` amax kernels do, and as the other granularities do);
-        ``observe`` gets ``numel``, ``n_at_max`` and ``n_nan``.
-        """
-        fmt = get_format(fmt)
-        amax = float(compute_amax(x, "tensor", ignore_nan=True))
-        st = self._cast(name, x, fmt, amax, cast)
-        if observe:
-            mag = st.codes & (fmt.sign_mask - 1) if fmt.signed else st.codes
-            self.observe(
-                name,
-                amax,
-                fmt,
-                numel=int(st.codes.size),
-                n_at_max=int(np.count_nonzero(mag == fmt.max_code)),
-                n_nan=st.nan_count,
-            )
-        return st
+        return quantize_numpy(self, self._granularity, name, x, fmt, observe=observe, **cast)
 
-    def _cast(self, name: str, x: Any, fmt: FloatFormat, amax: float, cast: dict) -> ScaledTensor:
-        scale = self.scale_for(name, fmt, current_amax=amax if self.just_in_time else None)
-        return quantize_scaled(x, fmt, "tensor", scale=scale, **cast)
-
+    # -- helpers of the subclasses ---------------------------------------------------------------
     def _state(self, name: str) -> dict:
         if not isinstance(name, str):
             raise TypeError(f"{self.NAME}: tensor name must be a string, got {type(name).__name__}")
@@ -216,10 +216,7 @@ class ScalingPolicy:
 
     def _need_amax(self, name: str, current_amax: float | None) -> float:
         if current_amax is None:
-            raise ValueError(
-                f"{self.spec}: scale_for({name!r}) needs current_amax "
-                "(this policy scales just in time)"
-            )
+            raise ValueError(f"{self.spec}: scale_for({name!r}) needs current_amax (this policy scales just in time)")
         return _check_amax(current_amax, f"{self.NAME}.scale_for({name!r})")
 
 
@@ -237,95 +234,22 @@ def _copy_state(v: Any) -> Any:
     return v
 
 
-# -- current -----------------------------------------------------------------------------------
-
-
 class CurrentScaling(ScalingPolicy):
-    NAME = "current"
-    DESCRIPTION = "just in time: scale = (fmax / amax) / 2**margin from this step's amax"
-    PARAMS = {
-        "pow2": Param(False, "round the scale down to a power of two"),
-        "epsilon": Param(0.0, "amax below epsilon is taken as epsilon"),
-        "margin": Param(0.0, "headroom in binades: amax maps to fmax / 2**margin"),
-        "gran": Param("tensor", "granularity for quantize(): tensor, row, col, block:RxC"),
-    }
-    just_in_time = True
+    Config = CurrentScalingConfig
 
-    def __init__(self, **params: Any) -> None:
-        super().__init__(**params)
-        g = parse_granularity(self.params["gran"])
-        if g.kind == "mx":
-            raise ValueError("current: gran=mx is the mx policy (spec 'mx' or 'mx:rceil')")
-        if g.kind == "nvfp4":
-            raise ValueError("current: gran=nvfp4 is the nvfp4 policy (spec 'nvfp4', "
-                             "'nvfp4:2d', 'nvfp4:layout=16x1,variant=torchao', ...)")  # fmt: skip
-        self.params["gran"] = g.spec
-        check_margin(self.NAME, self.params["margin"])
-        eps = self.params["epsilon"]
-        if not (math.isfinite(eps) and eps >= 0):
-            raise ValueError(f"current: epsilon must be finite and >= 0, got {eps}")
-
-    @property
-    def granularity(self) -> str:
-        return self.params["gran"]
-
-    def scale_for(
-        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
-    ) -> float:
+    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
         a = self._need_amax(name, current_amax)
-        p = self.params
-        return float(
-            scale_from_amax(
-                a, get_format(fmt), margin=p["margin"], pow2=p["pow2"], epsilon=p["epsilon"]
-            )
-        )
-
-    def observe(self, name: str, amax: float, fmt: FloatFormat | str, **stats: Any) -> None:
-        _check_amax(amax, f"current.observe({name!r})")
-
-    def _cast(self, name: str, x: Any, fmt: FloatFormat, amax: float, cast: dict) -> ScaledTensor:
-        if self.granularity == "tensor":
-            return super()._cast(name, x, fmt, amax, cast)
-        p = self.params
-        return quantize_scaled(
-            x,
-            fmt,
-            self.granularity,
-            margin=p["margin"],
-            pow2=p["pow2"],
-            epsilon=p["epsilon"],
-            **cast,
-        )
-
-
-# -- delayed (Transformer Engine) ---------------------------------------------------------------
-
-
-#: the longest amax history ``delayed`` keeps (TE uses 1024; one list of this length per tensor)
-_MAX_HISTORY = 1 << 20
+        c = self.config
+        return float(scale_from_amax(a, get_format(fmt), margin=c.margin, pow2=c.pow2, epsilon=c.epsilon))
 
 
 class DelayedScaling(ScalingPolicy):
-    NAME = "delayed"
-    DESCRIPTION = "Transformer Engine DelayedScaling: scale from the amax history of previous steps"
-    PARAMS = {
-        "history": Param(1024, "amax_history_len: amaxes kept (rolled at each nonzero amax)"),
-        "algo": Param("max", "amax_compute_algo: max of the history, or the most recent amax",
-                      ("max", "most_recent")),  # fmt: skip
-        "margin": Param(0.0, "scale = float32(fmax * 2**-margin) / amax (TE's order)"),
-    }
-
-    def __init__(self, **params: Any) -> None:
-        super().__init__(**params)
-        check_count(self.NAME, "history", self.params["history"], _MAX_HISTORY)
-        check_margin(self.NAME, self.params["margin"])
+    Config = DelayedScalingConfig
 
     def _fresh_state(self) -> dict:
-        return {"scale": 1.0, "amax_history": [0.0] * self.params["history"], "steps": 0}
+        return {"scale": 1.0, "amax_history": [0.0] * self.config.history, "steps": 0}
 
-    def scale_for(
-        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
-    ) -> float:
+    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
         st = self._tensors.get(name)
         return 1.0 if st is None else st["scale"]
 
@@ -340,16 +264,13 @@ class DelayedScaling(ScalingPolicy):
         hist = st["amax_history"][1:] + [a]  # oldest first; the window includes this step
         st["amax_history"] = hist
         st["steps"] += 1
-        if self.params["algo"] == "max":
+        if self.config.algo == AmaxAlgo.MAX:
             reduced = float(np.fmax.reduce(np.array([0.0] + hist, np.float32)))  # fmaxf from 0
         else:
             reduced = a
         if math.isfinite(reduced) and reduced > 0:
-            st["scale"] = float(scale_from_amax(reduced, fmt, margin=self.params["margin"]))
+            st["scale"] = float(scale_from_amax(reduced, fmt, margin=self.config.margin))
         # else: amax 0, inf or NaN keeps the previous scale (never inf: it started at 1)
-
-
-# -- MS-AMP ------------------------------------------------------------------------------------
 
 
 def _msamp_scale(amax: float, prev: float, fmt: FloatFormat, margin: int) -> float:
@@ -364,45 +285,26 @@ def _msamp_scale(amax: float, prev: float, fmt: FloatFormat, margin: int) -> flo
 
 
 class MSAMPScaling(ScalingPolicy):
-    NAME = "msamp"
-    DESCRIPTION = "MS-AMP: power-of-two scales from the max amax of a window of steps"
-    PARAMS = {
-        "window": Param(
-            16, "amax window (MS-AMP: 16 activations/output grads, 1 weights/weight grads)"
-        ),
-        "margin": Param(0, "scale = 2**(floor(log2(fmax / amax)) - margin)"),
-    }
-    just_in_time = True
-    # Note: MS-AMP itself always uses margin 0 (its cast and optimizer update hard-code it);
-    # ``margin`` here applies to every scale this policy computes, the just-in-time warm-up
-    # scales included, so margin=0 reproduces MS-AMP and margin>0 is an fp8sim extension.
-
-    def __init__(self, **params: Any) -> None:
-        super().__init__(**params)
-        check_count(self.NAME, "window", self.params["window"], _MAX_HISTORY)
-        if abs(self.params["margin"]) > 126:
-            raise ValueError(f"msamp: |margin| must be <= 126, got {self.params['margin']}")
+    Config = MSAMPScalingConfig
 
     def _fresh_state(self) -> dict:
         # amax_window[0] is this step's slot (MS-AMP's meta.amax[0]); counter counts steps
         # since the start or the last non-finite amax
-        return {"scale": 1.0, "amax_window": [0.0] * self.params["window"], "counter": 0}
+        return {"scale": 1.0, "amax_window": [0.0] * self.config.window, "counter": 0}
 
     def _in_time(self, st: dict) -> bool:
-        return self.params["window"] == 1 or st["counter"] < self.params["window"]
+        return self.config.window == 1 or st["counter"] < self.config.window
 
-    def scale_for(
-        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
-    ) -> float:
+    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
         st = self._tensors.get(name) or self._fresh_state()
         if not self._in_time(st):
             return st["scale"]
         a = self._need_amax(name, current_amax)
-        return _msamp_scale(a, st["scale"], get_format(fmt), self.params["margin"])
+        return _msamp_scale(a, st["scale"], get_format(fmt), self.config.margin)
 
     def observe(self, name: str, amax: float, fmt: FloatFormat | str, **stats: Any) -> None:
         a = _check_amax(amax, f"msamp.observe({name!r})")
-        fmt, margin = get_format(fmt), self.params["margin"]
+        fmt, margin = get_format(fmt), self.config.margin
         st = self._state(name)
         window = st["amax_window"]
         window[0] = a
@@ -418,56 +320,24 @@ class MSAMPScaling(ScalingPolicy):
         st["amax_window"] = window[-1:] + window[:-1]
 
 
-# -- FP8-LM automatic scaling --------------------------------------------------------------------
-
-
 class AutoScale(ScalingPolicy):
-    NAME = "autoscale"
-    DESCRIPTION = (
-        "FP8-LM auto-scaling: factor mu halves when too many values hit fmax, else regrows"
-    )
-    PARAMS = {
-        "ratio": Param(1e-5, "halve mu when the share of values at +-fmax exceeds this (0.001%)"),
-        "window": Param(1000, "steps over which mu grows geometrically back to mu_max"),
-        "mu_max": Param(2.0, "largest mu"),
-        "mu_init": Param(1.0, "mu at the first step"),
-        "base": Param(
-            "current",
-            "scale = mu * base: current amax scaling, pow2 of it, or none (1)",
-            ("current", "pow2", "none"),
-        ),
-    }
-
-    def __init__(self, **params: Any) -> None:
-        super().__init__(**params)
-        p = self.params
-        if not 0 <= p["ratio"] < 1:
-            raise ValueError(f"autoscale: ratio must be in [0, 1), got {p['ratio']}")
-        if p["window"] < 1:
-            raise ValueError(f"autoscale: window must be >= 1, got {p['window']}")
-        if not (math.isfinite(p["mu_max"]) and 0 < p["mu_init"] <= p["mu_max"]):
-            raise ValueError(
-                f"autoscale: need 0 < mu_init <= mu_max (finite), got {p['mu_init']}, {p['mu_max']}"
-            )
-        self.just_in_time = p["base"] != "none"
+    Config = AutoScaleConfig
 
     def _fresh_state(self) -> dict:
-        mu = self.params["mu_init"]
+        mu = self.config.mu_init
         return {"mu": mu, "mu_from": mu, "clean_steps": 0, "halvings": 0}
 
     def mu(self, name: str) -> float:
         """The current factor mu of tensor ``name``."""
         st = self._tensors.get(name)
-        return self.params["mu_init"] if st is None else st["mu"]
+        return self.config.mu_init if st is None else st["mu"]
 
-    def scale_for(
-        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
-    ) -> float:
+    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
         mu = self.mu(name)
-        if self.params["base"] == "none":
+        if self.config.base == AutoScaleBase.NONE:
             return _f32(mu)
         a = self._need_amax(name, current_amax)
-        base = scale_from_amax(a, get_format(fmt), pow2=self.params["base"] == "pow2")
+        base = scale_from_amax(a, get_format(fmt), pow2=self.config.base == AutoScaleBase.POW2)
         with np.errstate(over="ignore"):
             scale = np.float32(mu) * np.float32(base)
         return float(min(scale, _F32_MAX))  # mu * base may pass float32 max: clamp, never inf
@@ -475,194 +345,106 @@ class AutoScale(ScalingPolicy):
     def observe(self, name: str, amax: float, fmt: FloatFormat | str, **stats: Any) -> None:
         _check_amax(amax, f"autoscale.observe({name!r})")
         share = _share_at_max(name, stats)
-        p, st = self.params, self._state(name)
-        if share > p["ratio"]:
+        c, st = self.config, self._state(name)
+        if share > c.ratio:
             st["mu"] = max(st["mu"] / 2, _MU_FLOOR)
             st["mu_from"], st["clean_steps"] = st["mu"], 0
             st["halvings"] += 1
             return
         st["clean_steps"] += 1
-        k, mu0, top = st["clean_steps"], st["mu_from"], p["mu_max"]
-        if k >= p["window"] or mu0 >= top:
+        k, mu0, top = st["clean_steps"], st["mu_from"], c.mu_max
+        if k >= c.window or mu0 >= top:
             st["mu"] = top
         else:
-            st["mu"] = min(top, mu0 * (top / mu0) ** (k / p["window"]))
+            st["mu"] = min(top, mu0 * (top / mu0) ** (k / c.window))
 
 
 def _share_at_max(name: str, stats: dict) -> float:
     at_max = stats.get("n_at_max", stats.get("overflow"))
     numel = stats.get("numel")
     if at_max is None or numel is None:
-        raise ValueError(
-            f"autoscale.observe({name!r}) needs numel= and n_at_max= (or overflow=) stats: "
-            "the share of values cast to +-fmax steers mu"
-        )
+        raise ValueError(f"autoscale.observe({name!r}) needs numel= and n_at_max= (or overflow=) stats: "
+                         "the share of values cast to +-fmax steers mu")
     numel, at_max = int(numel), int(at_max)
     if numel < 0 or not 0 <= at_max <= max(numel, 0):
-        raise ValueError(
-            f"autoscale.observe({name!r}): need 0 <= n_at_max <= numel, got {at_max}, {numel}"
-        )
+        raise ValueError(f"autoscale.observe({name!r}): need 0 <= n_at_max <= numel, got {at_max}, {numel}")
     return at_max / numel if numel else 0.0
 
 
-# -- static and MX -----------------------------------------------------------------------------
-
-
 class StaticScaling(ScalingPolicy):
-    NAME = "static"
-    DESCRIPTION = "a fixed scale"
-    PARAMS = {"scale": Param(1.0, "the multiplier applied before every cast")}
+    Config = StaticScalingConfig
 
-    def __init__(self, **params: Any) -> None:
-        super().__init__(**params)
-        s = self.params["scale"]
-        f = _f32(s) if math.isfinite(s) and abs(s) < _F32_MAX + 2.0**103 else math.inf
-        if not 0 < f <= _F32_MAX:  # as scale_for uses it (a float32; max + ulp/2 rounds to inf)
-            raise ValueError(f"static: scale must be finite and > 0 as a float32 (at most "
-                             f"3.4028235e+38, at least 1.4e-45), got {s}")  # fmt: skip
-
-    def scale_for(
-        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
-    ) -> float:
-        return _f32(self.params["scale"])
-
-    def observe(self, name: str, amax: float, fmt: FloatFormat | str, **stats: Any) -> None:
-        _check_amax(amax, f"static.observe({name!r})")
+    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
+        return _f32(self.config.scale)
 
 
-class MXScaling(ScalingPolicy):
-    NAME = "mx"
-    DESCRIPTION = "MX block scaling: one E8M0 scale per 32 elements along the last axis"
-    PARAMS = {
-        "rule": Param("floor", "E8M0 scale rule: OCP MX floor, or rceil (cuBLAS/TE)", MX_RULES)
-    }
-    just_in_time = True
+class TorchaoScaling(ScalingPolicy):
+    Config = TorchaoScalingConfig
 
-    @property
-    def granularity(self) -> str:
-        return "mx" if self.params["rule"] == "floor" else f"mx:{self.params['rule']}"
+    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
+        import torch
 
-    def scale_for(
-        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
-    ) -> float:
-        """The multiplier ``1 / X`` of one block with amax ``current_amax`` (NaN if not finite)."""
+        from fp8sim.scaling_torch import torchao_scale
+
+        a = torch.tensor(float(self._need_amax(name, current_amax)), dtype=torch.float32)
+        return float(torchao_scale(a, fmt, pow2=self.config.pow2))
+
+
+class _BlockPolicy(CurrentScaling):
+    """``current`` on a block granularity, as the ``mx`` and ``nvfp4`` spec names build it:
+    ``scale_for`` gives the multiplier of the block whose amax is ``current_amax``
+    (:func:`fp8sim.scaling.block_multiplier`)."""
+
+    def scale_for(self, name: str, fmt: FloatFormat | str, current_amax: float | None = None) -> float:
         a = self._need_amax(name, current_amax)
-        return float(np.float32(1) / mx_shared_scale(a, get_format(fmt), self.params["rule"]))
-
-    def observe(self, name: str, amax: float, fmt: FloatFormat | str, **stats: Any) -> None:
-        _check_amax(amax, f"mx.observe({name!r})")
-
-    def _cast(self, name: str, x: Any, fmt: FloatFormat, amax: float, cast: dict) -> ScaledTensor:
-        return quantize_scaled(x, fmt, self.granularity, **cast)
+        return float(block_multiplier(self._granularity, a, fmt))
 
 
-class NVFP4Scaling(ScalingPolicy):
-    NAME = "nvfp4"
-    DESCRIPTION = ("NVFP4: E2M1 elements (whatever the format), an E4M3 scale per 16 elements, "
-                   "a float32 tensor scale from this step's amax")  # fmt: skip
-    PARAMS = {
-        "layout": Param("1x16", "block: 1x16 along rows, 16x1 along columns, 16x16 (2d: weights)",
-                        ("1x16", "16x1", "16x16", "2d")),  # fmt: skip
-        "variant": Param("te", "scale rules of Transformer Engine, torchao (two-level or "
-                               "torchao-block: one level) or compressed-tensors (ct)",
-                         (*NVFP4_VARIANTS, "ct")),  # fmt: skip
-    }
-    just_in_time = True
+class MXScaling(_BlockPolicy):
+    """Deprecated view of ``Granularity.mx(rule)`` with ``current`` scaling (spec ``mx``)."""
 
-    def __init__(self, **params: Any) -> None:
-        super().__init__(**params)
-        if self.params["layout"] == "2d":
-            self.params["layout"] = "16x16"
-        check_layout(self.params["layout"])
-        self.params["variant"] = check_variant(self.params["variant"])  # ct: compressed-tensors
+    def __init__(self, config: ScalingConfig | None = None, /, rule: str = "floor") -> None:
+        super().__init__(config)
+        self._granularity = Granularity.mx(rule)
 
-    @property
-    def granularity(self) -> str:
-        """The ``nvfp4[:LAYOUT][:VARIANT]`` granularity (:func:`fp8sim.scaling.parse_granularity`)."""
-        lay = {"1x16": "", "16x1": ":16x1", "16x16": ":2d"}[self.params["layout"]]
-        var = self.params["variant"]
-        return f"nvfp4{lay}" + ("" if var == "te" else f":{var}")
 
-    def scale_for(
-        self, name: str, fmt: FloatFormat | str, current_amax: float | None = None
-    ) -> float:
-        """The float32 multiplier of the block holding the tensor amax ``current_amax`` (its
-        block amax is the tensor amax): :func:`fp8sim.nvfp4.cast_multiplier` of its E4M3 scale;
-        compressed-tensors divides by ``b / G``, so its value is ``float32(1 / float32(b / G))``.
-        ``fmt`` is ignored (NVFP4 elements are E2M1). NaN where the variant's rule gives NaN
-        (torchao for an amax of 0)."""
-        a = self._need_amax(name, current_amax)
-        var = self.params["variant"]
-        _, b = block_scales(np.float32(a), a, var)
-        if var != "compressed-tensors":
-            return float(cast_multiplier(b, a, var))
-        d = block_decode_scale(b, tensor_scale_for(a, var), var)  # b / G
-        with np.errstate(divide="ignore"):
-            return float(np.float32(1) / d)
+class NVFP4Scaling(_BlockPolicy):
+    """Deprecated view of ``Granularity.nvfp4(layout, variant)`` with ``current`` (spec ``nvfp4``)."""
 
-    def observe(self, name: str, amax: float, fmt: FloatFormat | str, **stats: Any) -> None:
-        _check_amax(amax, f"nvfp4.observe({name!r})")
+    def __init__(self, config: ScalingConfig | None = None, /, layout: str = "1x16", variant: str = "te") -> None:
+        super().__init__(config)
+        self._granularity = Granularity.nvfp4(layout, variant)
 
     def quantize(self, name: str, x: Any, fmt: FloatFormat | str = "e2m1", *, observe: bool = True,
                  **cast: Any) -> ScaledTensor:  # fmt: skip
-        """:meth:`ScalingPolicy.quantize` with NVFP4's cast: E2M1 whatever ``fmt`` says; the
-        tensor scale from ``x``'s amax (NaN skipped). ``cast``: ``rounding``, ``seed``,
-        ``srbits`` (``saturate=False`` is refused: E2M1 has no inf or NaN)."""
+        """NVFP4's cast: E2M1 whatever ``fmt`` says (``saturate=False`` is refused)."""
         return super().quantize(name, x, "e2m1", observe=observe, **cast)
 
-    def _cast(self, name: str, x: Any, fmt: FloatFormat, amax: float, cast: dict) -> ScaledTensor:
-        return quantize_scaled(x, "e2m1", self.granularity, **cast)
 
-
-# -- specs ---------------------------------------------------------------------------------------
-
-_POLICIES: dict[str, type[ScalingPolicy]] = {
-    cls.NAME: cls
-    for cls in (CurrentScaling, DelayedScaling, MSAMPScaling, AutoScale, StaticScaling, MXScaling,
-                NVFP4Scaling)  # fmt: skip
+_POLICY_OF: dict[type[ScalingConfig], type[ScalingPolicy]] = {
+    p.Config: p for p in (CurrentScaling, DelayedScaling, MSAMPScaling, AutoScale, StaticScaling, TorchaoScaling)
 }
 
-#: name -> {"description", "params": {key: {"default", "help", "choices"}}} (plain data)
-POLICY_SPECS: dict[str, dict] = {
-    name: {
-        "description": cls.DESCRIPTION,
-        "params": {
-            k: {
-                "default": p.default,
-                "help": p.help,
-                "choices": list(p.choices) if p.choices else None,
-            }
-            for k, p in cls.PARAMS.items()
-        },
-    }
-    for name, cls in _POLICIES.items()
-}
 
+def policy_class(config_type: type[ScalingConfig]) -> type[ScalingPolicy]:
+    """The stateful policy class of a config class (what ``config.build()`` makes)."""
+    return _POLICY_OF[config_type]
 
 def parse_policy(spec: str | ScalingPolicy) -> ScalingPolicy:
-    """Build a policy from ``"name"`` or ``"name:key=value,key=value"``.
-
-    A bare word after the colon sets a boolean parameter (``"current:pow2"``) or picks a choice
-    (``"mx:rceil"``, ``"delayed:most_recent"``). Unknown names, keys or values raise ValueError
-    naming the valid ones. Examples: ``"delayed:history=16,margin=1,algo=max"``, ``"current"``,
-    ``"msamp:window=1"``, ``"autoscale:ratio=1e-5,window=1000"``, ``"static:scale=1"``.
-    """
+    """A fresh stateful policy from a spec (see :func:`parse_scaling`); a policy is returned
+    as is. ``mx`` and ``nvfp4`` specs give :class:`MXScaling` / :class:`NVFP4Scaling`, which
+    cast with their block granularity."""
     if isinstance(spec, ScalingPolicy):
         return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"policy spec must be a string, got {type(spec).__name__}")
-    name, _, body = spec.strip().partition(":")
-    name = name.strip().lower()
-    if name not in _POLICIES:
-        raise ValueError(f"unknown scaling policy {name!r}; valid: {', '.join(_POLICIES)}")
-    cls = _POLICIES[name]
-    params: dict[str, Any] = {}
-    for item in filter(None, (t.strip() for t in split_items(body))):
-        key, eq, value = item.partition("=")
-        key = key.strip().lower()
-        if not eq:
-            key, value = bare_word(name, cls.PARAMS, key)
-        if key in params:
-            raise ValueError(f"policy {name!r}: parameter {key!r} given twice")
-        params[key] = value.strip() if isinstance(value, str) else value
-    return cls(**params)
+    config, gran = parse_scaling(spec)
+    if gran.kind == "mx":
+        return _with_granularity(MXScaling(config), gran)
+    if gran.kind == "nvfp4":
+        return _with_granularity(NVFP4Scaling(config), gran)
+    return _with_granularity(config.build(), gran)
+
+
+def _with_granularity(policy: ScalingPolicy, gran: Granularity) -> ScalingPolicy:
+    policy._granularity = gran
+    return policy
+

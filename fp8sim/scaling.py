@@ -49,7 +49,6 @@ NVFP4 (``nvfp4...`` granularities, format e2m1): the two-level rules of :mod:`fp
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,13 +58,16 @@ from fp8sim._numba.bitcast import bits_f32, f32_bits
 from fp8sim._numba.jit import jit_scalar, jit_serial
 from fp8sim.emulator import as_float_array, decode, encode
 from fp8sim.formats import FloatFormat, get_format
-from fp8sim.nvfp4 import (NVFP4_LAYOUTS, check_layout, check_variant, dequantize_nvfp4_2d,
-                          quantize_nvfp4_2d)  # fmt: skip
+from fp8sim.granularity import (GRANULARITY_KINDS, MX_BLOCK, MX_RULES, E8M0Rule, Granularity, parse_granularity,
+                                view2d)  # fmt: skip
+from fp8sim.nvfp4 import (block_decode_scale, block_scales, cast_multiplier, dequantize_nvfp4_2d, quantize_nvfp4_2d,
+                          tensor_scale_for)  # fmt: skip
 
 __all__ = [
     "GRANULARITY_KINDS",
     "MX_BLOCK",
     "MX_RULES",
+    "E8M0Rule",
     "Granularity",
     "parse_granularity",
     "check_margin",
@@ -75,123 +77,15 @@ __all__ = [
     "scale_multiplier",
     "scaled_format_max",
     "mx_shared_scale",
+    "block_multiplier",
     "e8m0_codes",
     "ScaledTensor",
     "quantize_scaled",
     "dequantize",
 ]
 
-GRANULARITY_KINDS = ("tensor", "row", "col", "block", "mx", "nvfp4")
-MX_BLOCK = 32
-MX_RULES = ("floor", "rceil")
 _E8M0_EMIN, _E8M0_EMAX = -127, 127
 _F32_MAX = np.float32(np.finfo(np.float32).max)
-_BLOCK_RE = re.compile(r"^block:(-?\d+)x(-?\d+)$")
-
-
-# -- granularity -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Granularity:
-    """How a tensor's 2-D view is tiled into groups that share one scale.
-
-    Attributes:
-        kind: one of :data:`GRANULARITY_KINDS`.
-        block: ``(R, C)`` tile for ``block``; ``(1, 32)`` for ``mx``; None otherwise.
-        mx_rule: ``"floor"`` or ``"rceil"`` for ``mx``; None otherwise.
-        variant: the NVFP4 variant (:data:`fp8sim.nvfp4.NVFP4_VARIANTS`) for ``nvfp4``; else None.
-    """
-
-    kind: str
-    block: tuple[int, int] | None = None
-    mx_rule: str | None = None
-    variant: str | None = None
-
-    @property
-    def spec(self) -> str:
-        """Canonical spelling: ``parse_granularity(g.spec) == g``."""
-        if self.kind == "block":
-            return f"block:{self.block[0]}x{self.block[1]}"
-        if self.kind == "mx":
-            return "mx" if self.mx_rule == "floor" else f"mx:{self.mx_rule}"
-        if self.kind == "nvfp4":
-            lay = {(1, 16): "", (16, 1): ":16x1", (16, 16): ":2d"}[self.block]
-            return f"nvfp4{lay}" + ("" if self.variant == "te" else f":{self.variant}")
-        return self.kind
-
-    def __str__(self) -> str:
-        return self.spec
-
-    def tile(self, m: int, n: int) -> tuple[int, int]:
-        """The tile ``(R, C)`` on a 2-D view of shape ``(m, n)`` (at least 1 x 1)."""
-        if self.kind == "tensor":
-            return max(m, 1), max(n, 1)
-        if self.kind == "row":
-            return 1, max(n, 1)
-        if self.kind == "col":
-            return max(m, 1), 1
-        return self.block
-
-    def grid(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """Shape of the amax / scale array for a tensor of ``shape`` (see the module table)."""
-        if self.kind == "tensor":
-            return ()
-        return self.grid2d(*view2d(shape))
-
-    def grid2d(self, m: int, n: int) -> tuple[int, int]:
-        """Groups along each axis of the 2-D view ``(m, n)`` (``(1, 1)`` for tensor)."""
-        if self.kind == "tensor":
-            return 1, 1
-        r, c = self.tile(m, n)
-        return -(-m // r), -(-n // c)
-
-
-_MAX_BLOCK = 1 << 62  # block sides fit int64 (a block larger than the tensor is one block)
-
-
-def parse_granularity(spec: str | Granularity) -> Granularity:
-    """Parse ``"tensor"``, ``"row"``, ``"col"``, ``"block:RxC"``, ``"mx"``, ``"mx:floor"``,
-    ``"mx:rceil"``, ``"nvfp4[:LAYOUT][:VARIANT]"`` (layout 1x16, 16x1, 16x16 or 2d; variant te,
-    torchao, torchao-block, compressed-tensors or ct). Raises ValueError naming the valid
-    spellings; block sizes must be >= 1."""
-    if isinstance(spec, Granularity):
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"granularity must be a string, got {type(spec).__name__}")
-    key = spec.strip().lower()
-    if key in ("tensor", "row", "col"):
-        return Granularity(key)
-    if key in ("mx", "mx:floor"):
-        return Granularity("mx", (1, MX_BLOCK), "floor")
-    if key == "mx:rceil":
-        return Granularity("mx", (1, MX_BLOCK), "rceil")
-    if key == "nvfp4" or key.startswith("nvfp4:"):
-        parts = key.split(":")[1:]
-        lay = parts.pop(0) if parts and parts[0] in (*NVFP4_LAYOUTS, "2d") else "1x16"
-        if len(parts) > 1:
-            raise ValueError(f"granularity {spec!r}: nvfp4[:LAYOUT][:VARIANT] has at most two parts")
-        block = check_layout("16x16" if lay == "2d" else lay)
-        return Granularity("nvfp4", block, variant=check_variant(parts[0] if parts else "te"))
-    match = _BLOCK_RE.match(key)
-    if match:
-        r, c = int(match.group(1)), int(match.group(2))
-        if not (1 <= r <= _MAX_BLOCK and 1 <= c <= _MAX_BLOCK):
-            raise ValueError(f"granularity {spec!r}: block sizes must be positive and at most "
-                             f"2**62, got {r}x{c}")  # fmt: skip
-        return Granularity("block", (r, c))
-    raise ValueError(
-        f"unknown granularity {spec!r}; valid: tensor, row, col, block:RxC (R, C >= 1, e.g. "
-        "block:1x128, block:128x128), mx, mx:floor, mx:rceil, "
-        "nvfp4[:1x16|:16x1|:16x16|:2d][:te|:torchao|:torchao-block|:compressed-tensors]"
-    )
-
-
-def view2d(shape: tuple[int, ...]) -> tuple[int, int]:
-    """``(M, N)``: the last axis, and the product of all others (1 for 0-d and 1-D)."""
-    if len(shape) == 0:
-        return 1, 1
-    return math.prod(shape[:-1]), shape[-1]
 
 
 # -- inputs ------------------------------------------------------------------------------------
@@ -372,6 +266,28 @@ def mx_shared_scale(amax: Any, fmt: FloatFormat | str, rule: str = "floor") -> n
     e = np.clip(e, _E8M0_EMIN, _E8M0_EMAX)
     x = np.ldexp(np.float32(1), e).astype(np.float32)
     return np.where(finite, x, np.float32(np.nan)).astype(np.float32)
+
+
+def block_multiplier(gran: Granularity, amax: float, fmt: FloatFormat | str) -> np.float32:
+    """The multiplier of one ``mx`` or ``nvfp4`` block whose amax is ``amax`` -- for NVFP4 the
+    block holding the tensor amax (its block amax is the tensor amax):
+
+    * ``mx``: ``1 / X`` with ``X`` = :func:`mx_shared_scale` (NaN for a NaN or inf amax);
+    * ``nvfp4``: :func:`fp8sim.nvfp4.cast_multiplier` of its E4M3 scale; compressed-tensors
+      divides by ``b / G``, so its value is ``float32(1 / float32(b / G))``. ``fmt`` is ignored
+      (NVFP4 elements are E2M1). NaN where the variant's rule gives NaN (torchao, amax 0).
+    """
+    a = np.float32(amax)
+    if gran.kind == "mx":
+        return np.float32(np.float32(1) / mx_shared_scale(a, fmt, gran.mx_rule))
+    if gran.kind != "nvfp4":
+        raise ValueError(f"block_multiplier: for mx and nvfp4 granularities, not {gran.spec}")
+    _, b = block_scales(a, a, gran.variant)
+    if gran.variant != "compressed-tensors":
+        return np.float32(cast_multiplier(b, a, gran.variant))
+    d = block_decode_scale(b, tensor_scale_for(a, gran.variant), gran.variant)  # b / G
+    with np.errstate(divide="ignore"):
+        return np.float32(np.float32(1) / d)
 
 
 def e8m0_codes(scale_inv: Any) -> np.ndarray:

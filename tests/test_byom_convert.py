@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from fp8sim.training import convert_to_fp8, get_fp8_state, get_recipe
 from fp8sim.training.fp8_linear import Fp8Linear
-from fp8sim.training.recipes import CastConfig, LinearRecipe
+from fp8sim.formats import get_format
+from fp8sim.recipes import CastConfig, LinearRecipe
 
 
 def transformers():
@@ -107,7 +108,7 @@ def test_conv1d_layer_equals_the_linear_with_the_transposed_weight_bit_for_bit()
         lin.weight.copy_(conv.weight.t())
         lin.bias.copy_(conv.bias)
     a, b = nn.Sequential(conv), nn.Sequential(lin)
-    recipe = LinearRecipe(CastConfig("e4m3", "current"), CastConfig("e4m3", "current"), CastConfig("e5m2", "current"))
+    recipe = LinearRecipe(CastConfig(get_format("e4m3")), CastConfig(get_format("e4m3")), CastConfig(get_format("e5m2")))
     convert_to_fp8(a, recipe)
     convert_to_fp8(b, recipe)
     x = torch.randn(3, 5, 64)

@@ -304,7 +304,7 @@ def test_spec_forms():
 @pytest.mark.parametrize(
     "spec, match",
     [
-        ("te", "valid: current, delayed, msamp, autoscale, static, mx"),
+        ("te", "valid: current, delayed, msamp, autoscale, static, torchao, mx, nvfp4"),
         ("delayed:hist=4", "unknown parameter 'hist'; valid: history, algo, margin"),
         ("delayed:history=4.5", "integer"),
         ("delayed:history=0", "history must be >= 1"),

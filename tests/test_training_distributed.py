@@ -328,13 +328,13 @@ def test_one_process_reducer_and_memory_without_collectives():
 
 
 def test_fp8lm_recipes():
-    from fp8sim.training.recipes import get_recipe
+    from fp8sim.recipes import get_recipe
 
     o1, o2, o3 = (get_recipe(f"fp8lm-o{k}") for k in (1, 2, 3))
-    assert all(r.grad_comm == "fp8" and r.linear.weight_grad.fmt == "e4m3" for r in (o1, o2, o3))
+    assert all(r.grad_comm == "fp8" and r.linear.weight_grad.fmt.name == "e4m3" for r in (o1, o2, o3))
     assert (o1.optimizer, o2.optimizer, o3.optimizer) == ("adamw", "fp8-adamw", "fp8-adamw")
     assert (o1.weight_storage, o2.weight_storage, o3.weight_storage) == ("fp32", "fp32", "fp8")
-    assert dict(o1.extra)["grad_scaling"] == "autoscale"
+    assert o1.grad_scaling == "autoscale" and o1.fp8_grads == "all"
 
 
 def test_cli_trains_fp8lm_in_one_process_and_compares(tmp_path, capsys):

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from fp8sim.training import GPT, GPTConfig, convert_to_fp8, get_fp8_state, get_recipe
 from fp8sim.training.fp8_linear import Fp8Linear
-from fp8sim.training.recipes import CastConfig, LinearRecipe
+from fp8sim.formats import get_format
+from fp8sim.recipes import CastConfig, LinearRecipe
+from fp8sim.scaling_config import StaticScalingConfig
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -137,8 +139,8 @@ def test_gemm_accumulate_choice():
 
 
 def test_overflow_underflow_counts_match_ml_dtypes():
-    static = CastConfig("e4m3", "static:scale=1000")
-    recipe = LinearRecipe(input=static, weight=CastConfig("e4m3", "current"), grad_output=CastConfig("e5m2", "current"))
+    static = CastConfig(get_format("e4m3"), StaticScalingConfig(1000.0))
+    recipe = LinearRecipe(input=static, weight=CastConfig(get_format("e4m3")), grad_output=CastConfig(get_format("e5m2")))
     model, layer = _layer(recipe, "torch")
     rng = np.random.default_rng(3)
     x_np = (rng.standard_normal((16, 64)) * np.exp(rng.uniform(-14, 0, (16, 64)))).astype(np.float32)

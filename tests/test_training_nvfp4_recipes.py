@@ -12,6 +12,9 @@ from fp8sim.emulator import decode
 from fp8sim.hadamard import rht
 from fp8sim.nvfp4 import gemm_alpha, quantize_nvfp4_2d
 from fp8sim.scaling import quantize_scaled
+from fp8sim.formats import get_format
+from fp8sim.granularity import Granularity
+from fp8sim.scaling_config import CurrentScalingConfig
 from fp8sim.training import GPT, GPTConfig, convert_to_fp8, get_fp8_state, get_recipe
 from fp8sim.training.fp8_linear import Fp8Linear
 
@@ -54,8 +57,9 @@ def _pad16(a: np.ndarray) -> np.ndarray:
 
 def test_recipes_registered_with_te_defaults():
     nv = get_recipe("nvfp4").linear
-    assert (nv.input.fmt, nv.weight.fmt, nv.grad_output.fmt) == ("e2m1",) * 3
-    assert (nv.input.granularity, nv.weight.granularity, nv.grad_output.granularity) == ("nvfp4", "nvfp4:2d", "nvfp4")
+    assert {c.fmt.name for c in (nv.input, nv.weight, nv.grad_output)} == {"e2m1"}
+    assert (nv.input.granularity.spec, nv.weight.granularity.spec, nv.grad_output.granularity.spec) == (
+        "nvfp4", "nvfp4:2d", "nvfp4")
     assert nv.input.rht and nv.grad_output.rht and not nv.weight.rht
     assert nv.grad_output.rounding == "stochastic" and nv.input.rounding == nv.weight.rounding == "rne"
     assert nv.skip == ("lm_head",) and nv.keep_last_blocks == 0
@@ -64,29 +68,28 @@ def test_recipes_registered_with_te_defaults():
     assert get_recipe("nvfp4-no-sr").linear.grad_output.rounding == "rne"
     assert get_recipe("nvfp4-no-sr").linear.grad_output.rht
     tb = get_recipe("te-block").linear  # Float8BlockScaling(): E4M3 both ways, pow2 scales, epsilon 0
-    assert {c.fmt for c in tb.casts().values()} == {"e4m3"}
-    assert (tb.input.granularity, tb.weight.granularity, tb.grad_output.granularity) == (
+    assert {c.fmt.name for c in tb.casts().values()} == {"e4m3"}
+    assert (tb.input.granularity.spec, tb.weight.granularity.spec, tb.grad_output.granularity.spec) == (
         "block:1x128", "block:128x128", "block:1x128")
-    assert {c.policy for c in tb.casts().values()} == {"current:pow2"}
+    assert {c.scaling for c in tb.casts().values()} == {CurrentScalingConfig(pow2=True)}
 
 
 def test_recipe_validation():
-    from fp8sim.training.recipes import CastConfig, LinearRecipe
+    from fp8sim.recipes import CastConfig, LinearRecipe
 
-    with pytest.raises(ValueError, match="e2m1"):
-        CastConfig("e4m3", granularity="nvfp4")
-    with pytest.raises(ValueError, match="one row"):
-        CastConfig("e4m3", granularity="block:128x1")
-    with pytest.raises(ValueError, match="spelled 'mx'"):
-        CastConfig("e4m3", granularity="mx:rceil")
+    e4m3, e2m1 = get_format("e4m3"), get_format("e2m1")
+    with pytest.raises(ValueError, match="casts to e2m1"):
+        CastConfig(e4m3, granularity=Granularity.nvfp4())
+    with pytest.raises(ValueError, match="one-row blocks"):
+        LinearRecipe(*(CastConfig(e4m3, granularity=Granularity.blocks(128, 1)),) * 3)
     with pytest.raises(ValueError, match="rht"):
-        CastConfig("e4m3", granularity="block:1x128", rht=True)
-    nv = CastConfig("e2m1", granularity="nvfp4", rht=True)
+        CastConfig(e4m3, granularity=Granularity.blocks(1, 128), rht=True)
+    nv = CastConfig(e2m1, granularity=Granularity.nvfp4(), rht=True)
     with pytest.raises(ValueError, match="both weight-gradient GEMM operands"):
-        LinearRecipe(nv, CastConfig("e2m1", granularity="nvfp4:2d"), dataclasses.replace(nv, rht=False))
+        LinearRecipe(nv, CastConfig(e2m1, granularity=Granularity.nvfp4("2d")), dataclasses.replace(nv, rht=False))
+    one_d = CastConfig(e4m3, granularity=Granularity.blocks(1, 128))
     with pytest.raises(ValueError, match="all in nvfp4"):
-        LinearRecipe(CastConfig("e4m3", granularity="block:1x128"), CastConfig("e2m1", granularity="nvfp4:2d"),
-                     CastConfig("e4m3", granularity="block:1x128"))
+        LinearRecipe(one_d, CastConfig(e2m1, granularity=Granularity.nvfp4("2d")), one_d)
     with pytest.raises(ValueError, match="accumulate in float32"):  # not silently a float32 GEMM
         convert_to_fp8(nn.Sequential(nn.Linear(32, 16)), "te-block", gemm_accumulate="float64")
     with pytest.raises(ValueError, match="keep_last_blocks"):
@@ -305,9 +308,7 @@ def test_layers_kept_in_high_precision_stay_nn_linear():
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, n_layer=3, n_head=2, n_embd=32))
     before = {name: (type(m), m.weight) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    recipe = get_recipe("nvfp4")
-    recipe = dataclasses.replace(recipe, linear=dataclasses.replace(recipe.linear, keep_last_blocks=1))
-    convert_to_fp8(model, recipe, "emulator")
+    convert_to_fp8(model, get_recipe("nvfp4", keep_last_blocks=1), "emulator")
     for name, mod in model.named_modules():
         if name not in before:
             continue

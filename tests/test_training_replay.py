@@ -9,9 +9,10 @@ from fp8sim.analysis.policy_replay import replay_policies
 from fp8sim.policies import parse_policy
 from fp8sim.trace import TraceReader
 from fp8sim.training import record
-from fp8sim.training import recipes as recipes_mod
 from fp8sim.training.model import GPTConfig
-from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe, register_recipe
+from fp8sim.formats import get_format
+from fp8sim.recipes import CastConfig, CustomRecipe, LinearRecipe
+from fp8sim.scaling_config import parse_scaling
 from fp8sim.training.trainer import TrainConfig, Trainer, read_metrics
 
 
@@ -23,13 +24,10 @@ MSAMP = "msamp:window=4,margin=0"  # power-of-two scales: the histogram counts a
 
 @pytest.fixture(scope="module")
 def pow2_recipe():
-    def factory() -> Recipe:
-        c4, c5 = CastConfig("e4m3", MSAMP), CastConfig("e5m2", MSAMP)
-        return Recipe("test-msamp", "hybrid FP8 with MS-AMP power-of-two scaling", linear=LinearRecipe(c4, c4, c5))
-
-    register_recipe("test-msamp", factory)
-    yield "test-msamp"
-    recipes_mod._REGISTRY.pop("test-msamp")
+    scaling = parse_scaling(MSAMP)[0]
+    c4, c5 = CastConfig(get_format("e4m3"), scaling), CastConfig(get_format("e5m2"), scaling)
+    return CustomRecipe("test-msamp", description="hybrid FP8 with MS-AMP power-of-two scaling",
+                        linear=LinearRecipe(c4, c4, c5))
 
 
 def _run(tmp_path, corpus, recipe, backend="emulator"):

@@ -53,9 +53,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from fp8sim.formats import FloatFormat, get_format
-from fp8sim.nvfp4 import block_decode_scale, block_scales, cast_multiplier, tensor_scale_for
-from fp8sim.scaling import Granularity, mx_shared_scale, parse_granularity, scale_from_amax
-from fp8sim.scaling import view2d
+from fp8sim.quantizer import Quantizer
+from fp8sim.recipes import CastConfig
+from fp8sim.scaling import Granularity, parse_granularity, view2d
+from fp8sim.scaling_config import CurrentScalingConfig
 from fp8sim.analysis.stats.blocks import HIGH_EXP, N_LOG2
 from fp8sim.analysis.stats.passes import part_count, pass_a, pass_b
 from fp8sim.trace import EXPONENT_MAX, EXPONENT_MIN
@@ -101,6 +102,14 @@ class Variant:
     @property
     def granularity(self) -> Granularity:
         return parse_granularity("tensor" if self.scaling == "none" else self.scaling)
+
+    def quantizer(self) -> Quantizer:
+        """The quantizer whose rule gives this variant's group scales (current scaling with its
+        margin and pow2; MX's and NVFP4's own rules)."""
+        g = self.granularity
+        cfg = CurrentScalingConfig() if g.kind in ("mx", "nvfp4") else CurrentScalingConfig(self.pow2, 0.0, self.margin)
+        fmt = get_format("e2m1") if g.kind == "nvfp4" else self.fmt
+        return Quantizer(CastConfig(fmt, cfg, g))
 
 
 def _check_format(fmt: FloatFormat) -> None:
@@ -423,36 +432,25 @@ def tensor_stats(
     # ---- pass B, with each chunk's scales from the scaling module's own rules ----
     # (scales are made per chunk, for the grid rows the chunk touches: an MX scale grid of a
     # 4 GB tensor is never held whole)
-    def chunk_scales(v: Variant, gi: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """(multipliers, scale_inv) of grid entries [lo, hi) of variant v (float32)."""
+    quantizers = [v.quantizer() for v in variants]
+
+    def chunk_scales(k: int, gi: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(multipliers, scale_inv) of grid entries [lo, hi) of variant k (float32)."""
         if gi < 0:
             return np.ones(1, np.float32), np.ones(1, np.float32)
-        gam = g_amax[gi][lo:hi].view(np.float32)
-        if v.granularity.kind == "mx":
-            a = np.where(g_nan[gi][lo:hi], np.float32(np.nan), gam).astype(np.float32)
-            sinv = mx_shared_scale(a, v.fmt, v.granularity.mx_rule)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                return (np.float32(1) / sinv).astype(np.float32), sinv
-        if v.granularity.kind == "nvfp4":
-            var = v.granularity.variant
-            a = np.where(g_nan[gi][lo:hi], np.float32(np.nan), gam).astype(np.float32)
-            _, b = block_scales(a, tensor_amax, var)
-            mult = np.where(b == 0, np.float32(0), cast_multiplier(b, tensor_amax, var))
-            return mult.astype(np.float32), block_decode_scale(b, tensor_scale_for(tensor_amax, var), var)
-        mult = scale_from_amax(gam, v.fmt, margin=v.margin, pow2=v.pow2).reshape(-1)
-        with np.errstate(divide="ignore"):  # a scale that underflowed to 0: scale_inv inf
-            return mult, (np.float32(1) / mult).astype(np.float32)
+        return quantizers[k].group_scales(g_amax[gi][lo:hi].view(np.float32), g_nan[gi][lo:hi],
+                                          tensor_amax=tensor_amax)
 
     for k, v in enumerate(variants):  # MX groups whose scale is NaN (a NaN or inf): lost values
         gi, step = shapes[k][3], 1 << 22  # the scale rule itself, a slice of the grid at a time
         if gi >= 0 and v.granularity.kind in ("mx", "nvfp4"):
-            vint[k, 10] = any(np.isnan(chunk_scales(v, gi, i, i + step)[1]).any()
+            vint[k, 10] = any(np.isnan(chunk_scales(k, gi, i, i + step)[1]).any()
                               for i in range(0, g_amax[gi].size, step))  # fmt: skip
     whole_scales = {}  # variants with one scale for the whole tensor: computed once
     for k, v in enumerate(variants):
         r, _, gc, gi = shapes[k]
         if vint[k, 8]:
-            whole_scales[k] = chunk_scales(v, gi, 0, gc)
+            whole_scales[k] = chunk_scales(k, gi, 0, gc)
     for start in range(0, numel, chunk):
         xc = read(start, min(numel, start + chunk))
         sc_parts, si_parts = [], []
@@ -463,7 +461,7 @@ def tensor_stats(
             if k in whole_scales:
                 mult, sinv = whole_scales[k]
             else:
-                mult, sinv = chunk_scales(v, gi, lo, hi + 1)
+                mult, sinv = chunk_scales(k, gi, lo, hi + 1)
             sc_parts.append(mult)
             si_parts.append(np.asarray(sinv, np.float32).reshape(-1))
             vint[k, 3] = off

@@ -463,7 +463,7 @@ class Backend:
         self,
         x: torch.Tensor,
         fmt: FloatFormat | str,
-        granularity: str = "block:1x128",
+        granularity: Any = "block:1x128",
         *,
         margin: float = 0,
         pow2: bool = False,
@@ -473,7 +473,8 @@ class Backend:
         seed: int | None = None,
         srbits: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes, scale_inv, amax) with just-in-time scales per group (``row``, ``col``,
+        """(codes, scale_inv, amax) with just-in-time scales per group of ``granularity`` (a
+        :class:`~fp8sim.granularity.Granularity`, or its spelling: ``row``, ``col``,
         ``block:RxC``, ``mx``, ``mx:rceil``, ``nvfp4[:LAYOUT][:VARIANT]``): exactly
         ``fp8sim.scaling.quantize_scaled`` (its rules, shapes and NaN handling); scale_inv and
         amax have the scaling module's grid shape, as float32 tensors (NVFP4: the decoded E4M3
@@ -483,17 +484,17 @@ class Backend:
 
         x = self.check_tensor(x)
         spec = CastSpec(fmt, rounding, saturate, seed, srbits)
-        kind = parse_granularity(granularity).kind
+        gran = parse_granularity(granularity)  # a Granularity is taken as is
+        kind = gran.kind
         if kind == "tensor":
             raise ValueError("block_quantize: granularity 'tensor' is quantize()'s job")
         if kind == "nvfp4" and (spec.fmt.name != "e2m1" or margin != 0 or pow2 or epsilon != 0
                                 or not spec.saturate):
             raise ValueError("block_quantize: nvfp4 needs fmt='e2m1' and takes no margin, pow2, "
                              "epsilon or saturate=False")
-        return self._block_quantize(x, spec, granularity, margin=margin, pow2=pow2,
-                                    epsilon=epsilon)
+        return self._block_quantize(x, spec, gran, margin=margin, pow2=pow2, epsilon=epsilon)
 
-    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, granularity: str, *,
+    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, gran: Any, *,
                         margin: float, pow2: bool, epsilon: float
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`block_quantize` on checked arguments."""
@@ -571,6 +572,27 @@ class Backend:
         ``"float32"``: :func:`mm_float32`), see the module docstring.
         """
         raise NotImplementedError(f"{self.name}: scaled_mm")
+
+    def gemm(self, a: Any, b: Any, rule: Any = "exact", *, accumulate: str | None = None,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``A B^T`` of two :class:`~fp8sim.quantizer.QuantizedTensor` -- ``a`` (M, K), ``b``
+        (N, K), any granularity -- under a :class:`~fp8sim.recipes.GemmRule` (``exact``,
+        ``torchao``, ``accumulator``): :func:`fp8sim.backends.gemms.gemm`."""
+        from fp8sim.backends.gemms import gemm
+
+        return gemm(self, a, b, rule, accumulate=accumulate, out_dtype=out_dtype)
+
+    def gemm_accumulator(self, a: Any, b: Any, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``accumulator`` GEMM rule (:mod:`fp8sim.gemm`'s Hopper model); the emulator's."""
+        raise NotImplementedError(f"backend {self.name!r} has no accumulator GEMM model (fp8sim.gemm, numba on "
+                                  f"the host); use the emulator backend")
+
+    def to_float(self, q: Any) -> torch.Tensor:
+        """The float32 values of a :class:`~fp8sim.quantizer.QuantizedTensor` on its device
+        (:func:`fp8sim.backends.gemms.dequantize`)."""
+        from fp8sim.backends.gemms import dequantize
+
+        return dequantize(self, q)
 
     # -- optimizer ---------------------------------------------------------------------------
     def adam_step(

@@ -67,13 +67,13 @@ class EmulatorBackend(Backend):
         codes = check_codes(codes, fmt)
         return decode_in_order(decode, codes.detach().cpu(), fmt).to(codes.device)
 
-    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, granularity: str, *,
+    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, gran: Any, *,
                         margin: float, pow2: bool, epsilon: float
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``fp8sim.scaling.quantize_scaled`` (just-in-time scales) on torch tensors."""
         from fp8sim.scaling import quantize_scaled
 
-        st = quantize_scaled(x.detach().cpu(), spec.fmt, granularity, margin=margin, pow2=pow2,
+        st = quantize_scaled(x.detach().cpu(), spec.fmt, gran, margin=margin, pow2=pow2,
                              epsilon=epsilon, **spec.encode_kwargs())
         dev = x.device
         return (torch.from_numpy(st.codes).to(dev),
@@ -131,6 +131,29 @@ class EmulatorBackend(Backend):
         b = decode(b_codes.detach().cpu(), b_fmt, dtype=np.float64)
         out = (a @ b) * sa * sb
         return out.to(out_dtype).to(a_codes.device)
+
+    def gemm_accumulator(self, a: Any, b: Any, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """:func:`fp8sim.gemm.scaled_gemm` with :data:`fp8sim.gemm.HOPPER_FP8` on the host: ``a``
+        (M, K) and ``b`` (N, K) quantized along K, the result ``A B^T``."""
+        from fp8sim.gemm import HOPPER_FP8, scaled_gemm
+        from fp8sim.nvfp4 import gemm_alpha
+
+        def layout(q: Any, transposed: bool) -> tuple[str, Any]:
+            g, s = q.granularity, q.scale_inv.detach().cpu()
+            if g.kind == "tensor":
+                return "tensor", s
+            if g.kind == "row":
+                return ("col", s.t()) if transposed else ("row", s)
+            r, c = g.block
+            return (f"block:{c}x{r}", s.t()) if transposed else (f"block:{r}x{c}", s)
+
+        (ga, sa), (gb, sb) = layout(a, False), layout(b, True)
+        alpha = None
+        if a.tensor_scale is not None:
+            alpha = gemm_alpha(float(a.tensor_scale), float(b.tensor_scale), a.granularity.variant)
+        out = scaled_gemm(a.codes.detach().cpu(), a.fmt, sa.numpy(), b.codes.detach().cpu().t(), b.fmt, sb.numpy(),
+                          a_granularity=ga, b_granularity=gb, alpha=alpha, **HOPPER_FP8)
+        return torch.from_numpy(out).to(out_dtype).to(a.codes.device)
 
     def _adam_step(
         self,

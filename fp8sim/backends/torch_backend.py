@@ -14,12 +14,12 @@ What torch can do exactly as the emulator does, and what it cannot (checked by
 * NaN: torch keeps NaN payload bits; the codes are canonicalized to the format's NaN with the
   input's sign (FNUZ: 0x80), as the emulator writes them.
 
-Block scaling (``block_quantize`` with ``block:RxC``, e.g. Transformer Engine's
-``block:1x128`` / ``block:128x128``): the tile amaxes in torch, the scale rule of
-:func:`fp8sim.scaling.scale_from_amax` on that small grid (the one implementation of the rule),
-then the native cast -- the codes, scales and amaxes of ``fp8sim.scaling.quantize_scaled``. MX
-scaling and NVFP4 (``nvfp4_quantize``, ``rht``: torch has no float32 -> E2M1 cast) raise
-``NotImplementedError``.
+Block scaling (``block_quantize`` with ``row``, ``col``, ``block:RxC`` -- Transformer Engine's
+``block:1x128`` / ``block:128x128`` -- and MX): the tile amaxes and the scale rules in torch on
+the tensor's device (:mod:`fp8sim.scaling_torch`, bit for bit the rules of
+:mod:`fp8sim.scaling`), then the native cast -- the codes, scales and amaxes of
+``fp8sim.scaling.quantize_scaled``. NVFP4 (``nvfp4_quantize``, ``rht``: torch has no float32 ->
+E2M1 cast) raises ``NotImplementedError``.
 Decoding is exact for every code: e4m3 and e5m2 through float16 bit patterns (an e5m2 code is
 the high byte of the float16 of the same value; an e4m3 code's exponent and mantissa bits
 shifted into a float16 give the value / 2**8 -- both several times faster on a CPU than torch's
@@ -181,35 +181,20 @@ class TorchBackend(Backend):
         s = as_scale(scale_inv, tuple(codes.shape), codes.device, "scale_inv")
         return (_decode_f32(codes, fmt) * s).to(out_dtype)
 
-    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, granularity: str, *,
+    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, gran: Any, *,
                         margin: float, pow2: bool, epsilon: float
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``block:RxC`` only (see the module docstring): per tile, amax over the non-NaN
-        elements (a ragged tile is cut at the edge), ``scale = scale_from_amax(amax)``, codes of
-        ``float32(x * scale)`` by the native cast (NaN stays NaN, saturating per ``spec``)."""
-        from fp8sim.scaling import parse_granularity, scale_from_amax, view2d
+        """Row, ``block:RxC`` and MX (see the module docstring): the tile amaxes and the scale
+        rule in torch on ``x``'s device (:func:`fp8sim.scaling_torch.block_quantize_torch`), then
+        the native cast -- the codes, scales and amaxes of ``fp8sim.scaling.quantize_scaled``."""
+        from fp8sim.scaling_torch import block_quantize_torch
 
-        gran = parse_granularity(granularity)
-        if gran.kind != "block":
-            raise NotImplementedError(
-                f"torch backend: block_quantize with granularity {gran.spec} (torch does block:RxC "
-                "only); use the emulator or triton backend"
-            )
+        if gran.kind not in ("row", "col", "block", "mx"):
+            raise NotImplementedError(f"torch backend: block_quantize with granularity {gran.spec} (torch has no "
+                                      "float32 -> E2M1 cast); use the emulator or triton backend")
         _cast(x.new_zeros(0, dtype=torch.float32), spec)  # what torch cannot cast raises here, first
-        m, n = view2d(tuple(x.shape))
-        x2 = x.detach().to(torch.float32).reshape(m, n)
-        gm, gn = gran.grid2d(m, n)
-        r, c = min(gran.block[0], max(m, 1)), min(gran.block[1], max(n, 1))
-        mag = torch.nan_to_num(x2.abs(), nan=0.0, posinf=float("inf"))
-        padded = torch.zeros((gm * r, gn * c), dtype=torch.float32, device=x.device)
-        padded[:m, :n] = mag  # zeros never raise an amax
-        amax = padded.view(gm, r, gn, c).amax(dim=(1, 3))  # (gm, gn)
-        mult = torch.from_numpy(scale_from_amax(amax.cpu().numpy(), spec.fmt, margin=margin, pow2=pow2,
-                                                epsilon=epsilon)).to(x.device)
-        scale_inv = torch.reciprocal(mult)  # float32; a scale 0 gives inf, as quantize_scaled
-        full = mult.repeat_interleave(r, 0)[:m].repeat_interleave(c, 1)[:, :n]
-        codes = _cast(x2 * full, spec)
-        return codes.reshape(x.shape), scale_inv, amax
+        return block_quantize_torch(x, spec.fmt, gran, lambda y: _cast(y, spec), margin=margin, pow2=pow2,
+                                    epsilon=epsilon)
 
     def decode(self, codes: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
         fmt = get_format(fmt)

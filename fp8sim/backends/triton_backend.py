@@ -39,7 +39,6 @@ from fp8sim.kernels.nvfp4_quantize import nvfp4_quantize as nvfp4_kernel
 from fp8sim.kernels.quantize import quantize as _quantize
 from fp8sim.kernels.rht import rht as rht_kernel
 from fp8sim.kernels.scaled_mm import scaled_mm as _scaled_mm
-from fp8sim.scaling import parse_granularity
 
 __all__ = ["TritonBackend"]
 
@@ -95,20 +94,19 @@ class TritonBackend(Backend):
         codes, codes_t, amax = _cast_transpose(x.detach(), spec.fmt, scale, **spec.encode_kwargs())
         return codes, codes_t, reciprocal(scale), amax
 
-    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, granularity: str, *,
+    def _block_quantize(self, x: torch.Tensor, spec: CastSpec, gran: Any, *,
                         margin: float, pow2: bool, epsilon: float
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See :meth:`Backend.block_quantize`; one kernel computes the group amaxes, scales and
         codes (``kernels.block_quantize``, which also returns MX scales as E8M0 codes). NVFP4:
         the tensor amax pass, then ``kernels.nvfp4_quantize`` (codes one per byte; scale_inv the
         decoded E4M3 block scales, amax the block amaxes, as ``fp8sim.scaling.quantize_scaled``)."""
-        gran = parse_granularity(granularity)
         if gran.kind == "nvfp4":
             q = nvfp4_kernel(x.detach(), gran.block, gran.variant, pack=False,
                                 rounding=spec.rounding, seed=spec.seed, srbits=spec.srbits)
             return q.codes, q.block_scale, q.block_amax
         codes, scale_inv, amax, _ = _block_quantize(
-            x.detach(), spec.fmt, granularity, margin=margin, pow2=pow2, epsilon=epsilon,
+            x.detach(), spec.fmt, gran, margin=margin, pow2=pow2, epsilon=epsilon,
             **spec.encode_kwargs(),
         )
         return codes, scale_inv, amax

@@ -19,12 +19,12 @@ from fp8sim.lazy_exports import lazy_attributes
 _EXPORTS = {
     "GPT": "fp8sim.training.model",
     "GPTConfig": "fp8sim.training.config",
-    "CastConfig": "fp8sim.training.recipes",
-    "LinearRecipe": "fp8sim.training.recipes",
-    "Recipe": "fp8sim.training.recipes",
-    "get_recipe": "fp8sim.training.recipes",
-    "list_recipes": "fp8sim.training.recipes",
-    "register_recipe": "fp8sim.training.recipes",
+    "CastConfig": "fp8sim.recipes",
+    "LinearRecipe": "fp8sim.recipes",
+    "Recipe": "fp8sim.recipes",
+    "get_recipe": "fp8sim.recipes",
+    "list_recipes": "fp8sim.recipes",
+    "register_recipe": "fp8sim.recipes",
     "Fp8Linear": "fp8sim.training.fp8_linear",
     "Fp8State": "fp8sim.training.fp8_state",
     "convert_to_fp8": "fp8sim.training.convert",
@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from fp8sim.training.fp8_linear import Fp8Linear
     from fp8sim.training.fp8_state import Fp8State
     from fp8sim.training.model import GPT
-    from fp8sim.training.recipes import CastConfig, LinearRecipe, Recipe, get_recipe, list_recipes, register_recipe
+    from fp8sim.recipes import CastConfig, LinearRecipe, Recipe, get_recipe, list_recipes, register_recipe
     from fp8sim.training.recorder import Recorder, record
     from fp8sim.training.trainer import Trainer
 

@@ -212,19 +212,21 @@ def global_amax(grads: Sequence[torch.Tensor]) -> float:
 
 
 def _multiplier(method: str, amax: float, n: int, fmt: FloatFormat, policy: Any, name: str) -> tuple[float, float]:
-    from fp8sim.scaling import scale_from_amax
+    """(the cast's multiplier, AutoScale's mu) of ``method``, decided by a quantizer: ``pre``
+    ``fmax / amax`` divided by N, ``post`` ``fmax / amax``, ``msamp`` its power of two divided by
+    sqrt(N), ``autoscale`` ``mu * fmax / amax`` (``policy``'s state)."""
+    from fp8sim.quantizer import Quantizer
+    from fp8sim.recipes import CastConfig
+    from fp8sim.scaling_config import CurrentScalingConfig
 
-    s = float(scale_from_amax(np.float32(amax), fmt))
-    if method == "pre":
-        return float(np.float32(s / n)), 1.0
-    if method == "post":
-        return s, 1.0
-    if method == "msamp":
-        return float(np.float32(float(scale_from_amax(np.float32(amax), fmt, pow2=True)) / math.sqrt(n))), 1.0
+    if method not in METHODS:
+        raise ValueError(f"unknown all-reduce method {method!r}; valid: {', '.join(METHODS)}")
     if method == "autoscale":
-        mu = policy.mu(name)
-        return float(policy.scale_for(name, fmt, current_amax=amax)), mu
-    raise ValueError(f"unknown all-reduce method {method!r}; valid: {', '.join(METHODS)}")
+        q = Quantizer(CastConfig(fmt, policy.config), policy=policy)
+        return q.scale_for(name, amax), policy.mu(name)
+    divisor = {"pre": n, "post": 1, "msamp": math.sqrt(n)}[method]
+    q = Quantizer(CastConfig(fmt, CurrentScalingConfig(pow2=method == "msamp")), scale_divisor=divisor)
+    return q.scale_for(name, amax), 1.0
 
 
 def simulate_allreduce(

@@ -38,7 +38,7 @@ CONFIG_FLAGS = {
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from fp8sim.training.config import BACKENDS, GPTConfig, TrainConfig, defaults
-    from fp8sim.training.recipes import list_recipes
+    from fp8sim.recipes import list_recipes
 
     d, m = defaults(TrainConfig), defaults(GPTConfig)
     p = subparsers.add_parser(
@@ -189,7 +189,7 @@ def _check_outside_data(data: str | None, outputs: dict) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from fp8sim.training.distributed import torchrun_env
-    from fp8sim.training.recipes import get_recipe
+    from fp8sim.recipes import get_recipe
     from fp8sim.training.trainer import Trainer, run_begun
 
     for opt in ("out", "record"):

@@ -8,7 +8,8 @@ line can say which flag (``--steps``) rather than which attribute (``TrainConfig
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import Any
 
 __all__ = ["BACKENDS", "ConfigError", "GPTConfig", "TrainConfig", "defaults"]
 
@@ -55,7 +56,7 @@ class GPTConfig:
 class TrainConfig:
     """Everything that determines a run's numbers."""
 
-    recipe: str = "bf16"
+    recipe: Any = "bf16"  # a registered name (fp8sim.recipes.list_recipes) or a Recipe object
     backend: str = "emulator"  # FP8 backend; ignored by recipes without FP8 GEMMs
     # FP8 GEMM accumulation: "float32" (torch.mm of the exactly decoded operands, shared by the
     # emulator and torch backends) or "float64" (exact products, one rounding); see fp8_linear
@@ -76,10 +77,14 @@ class TrainConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
 
     def __post_init__(self) -> None:
-        from fp8sim.training.recipes import list_recipes
+        from fp8sim.recipes import Recipe, list_recipes
 
-        if self.recipe not in list_recipes():
-            raise ConfigError("recipe", f"must be one of {', '.join(list_recipes())}, got {self.recipe!r}")
+        if isinstance(self.recipe, dict):
+            raise ConfigError("recipe", f"is the custom recipe {self.recipe.get('name')!r} (a Python object): resume "
+                                        f"it from Python with TrainConfig(recipe=<the same recipe>)")
+        if not isinstance(self.recipe, Recipe) and self.recipe not in list_recipes():
+            raise ConfigError("recipe", f"must be one of {', '.join(list_recipes())} or a Recipe object, "
+                                        f"got {self.recipe!r}")
         if self.backend not in BACKENDS:
             raise ConfigError("backend", f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         from fp8sim.backends.base import GEMM_ACCUMULATIONS
@@ -108,7 +113,17 @@ class TrainConfig:
             raise ConfigError("model", f"must be a GPTConfig, got {type(self.model).__name__}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain data (a custom recipe object as its :meth:`~fp8sim.recipes.Recipe.to_dict`)."""
+        if isinstance(self.recipe, str):
+            return asdict(self)
+        out = asdict(replace(self, recipe="bf16"))
+        out["recipe"] = self.recipe.to_dict()
+        return out
+
+    @property
+    def recipe_name(self) -> str:
+        """The recipe's name (a registered one, or a custom recipe object's)."""
+        return self.recipe if isinstance(self.recipe, str) else self.recipe.name
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from fp8sim.training.fp8_linear import Fp8Linear, in_backward, is_hf_conv1d
 from fp8sim.training.fp8_state import Fp8State
-from fp8sim.training.recipes import LinearRecipe, Recipe
+from fp8sim.recipes import LinearRecipe, Recipe, get_recipe
 
 __all__ = ["ModuleFilter", "convert_to_fp8", "fp8_linears", "get_fp8_state"]
 
@@ -55,12 +55,9 @@ def convert_to_fp8(
     The step (:attr:`Fp8State.step`) advances at each forward of ``model`` in training mode with
     autograd enabled (a forward pre-hook on ``model``), unless the loop sets it.
     """
-    from fp8sim.training.recipes import get_recipe
-
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
-    if isinstance(recipe, Recipe) and (recipe.optimizer, recipe.grad_comm, recipe.weight_storage) != (
-            "adamw", "none", "fp32"):  # fmt: skip
+    if isinstance(recipe, Recipe) and not recipe.single_process:
         levels = ", ".join(f"{k}={v}" for k, v in (("optimizer", recipe.optimizer), ("grad_comm", recipe.grad_comm),
                                                    ("weight_storage", recipe.weight_storage)))  # fmt: skip
         raise ValueError(f"convert_to_fp8: recipe {recipe.name!r} has levels beyond the linear layers ({levels}) that "

@@ -177,15 +177,14 @@ class DataParallel:
         rank, world = self.rank, self.world
         self.model = model
         self.named = named = list(model.named_parameters())
-        extra = dict(recipe.extra)
         fp8_comm = recipe.grad_comm == "fp8"
         # fp8_names: the FP8 linears' weights (E4M3-stored under O3, the accounting's "fp8_weights");
         # grad_fp8_names: the parameters whose gradients travel (and are kept) in FP8
         self.fp8_names = {f"{m.name}.weight" for m in fp8_linears(model)} if fp8_comm else set()
-        self.grad_scope = self._fp8_grads or extra.get("fp8_grads", "linear")
+        self.grad_scope = self._fp8_grads or recipe.fp8_grads.value
         self.grad_fp8_names = {n for n, _ in named} if fp8_comm and self.grad_scope == "all" else self.fp8_names
         other = torch.bfloat16 if (fp8_comm or recipe.grad_comm == "bf16" or recipe.autocast == "bfloat16") else torch.float32
-        self.grad_scaling = self._grad_scaling or extra.get("grad_scaling", "autoscale")
+        self.grad_scaling = self._grad_scaling or recipe.grad_scaling.value
         self.counter = CommCounter(world)
         self.reducer = Fp8GradReducer(named, self.grad_fp8_names, world=world, scaling=self.grad_scaling,
                                       other_dtype=other, backend=cfg.backend, counter=self.counter)
@@ -385,7 +384,7 @@ def train_distributed(
     """
     from pathlib import Path
 
-    from fp8sim.training.recipes import get_recipe
+    from fp8sim.recipes import get_recipe
     from fp8sim.training.trainer import start_mode
 
     env = torchrun_env()
@@ -397,7 +396,7 @@ def train_distributed(
     DataParallel(0, world, grad_scaling=grad_scaling, fp8_grads=fp8_grads)  # checks the options
     if (grad_scaling or fp8_grads) and get_recipe(cfg.recipe).grad_comm != "fp8":
         raise ValueError(f"--grad-scaling/--fp8-grads apply to the FP8 all-reduce of the fp8lm recipes, "
-                         f"not to {cfg.recipe!r}")
+                         f"not to {cfg.recipe_name!r}")
     out = Path(out_dir)
     start = start_mode(out, resume, data_parallel=True, config=cfg.to_dict())
     if start == "resume":

@@ -2,12 +2,13 @@
 
 The FP8 all-reduce (FP8-LM section 2.1) of the FP8 linears' weight gradients, per DDP bucket:
 
-1. every rank computes its scale per tensor, ``mu * fmt.max / amax_local`` with AutoScale's
-   ``mu`` (:class:`fp8sim.policies.AutoScale`; or MS-AMP's fixed ``2**floor(log2(fmt.max /
-   amax)) / sqrt(N)`` with ``scaling="msamp"``);
-2. one ``all_reduce(MIN)`` of the scales gives the shared scale ``s`` (the paper's global minimum;
-   a rank whose amax is 0 or NaN sets no bound, as ``fmax / 0`` would not: an all-zero gradient
-   on one rank must not force the scale down to 1 for all; no bound at all: the rule at amax 0);
+1. one ``all_reduce(MAX)`` of every tensor's amax (the quantizer's amax reduction,
+   :func:`fp8sim.quantizer.max_across`: a rank whose amax is 0 or NaN sets no bound, so an
+   all-zero gradient on one rank does not force the scale down to 1 for all);
+2. the shared scale ``s`` per tensor from the global amax -- ``mu * fmt.max / amax`` with
+   AutoScale's ``mu`` (:class:`fp8sim.policies.AutoScale`), or MS-AMP's fixed
+   ``2**floor(log2(fmt.max / amax)) / sqrt(N)`` with ``scaling="msamp"``: the paper's global
+   minimum of the ranks' scales, since the rule decreases with the amax;
 3. every rank encodes ``encode(float32(g) * s)`` (E4M3, nearest even, saturating) to uint8 codes;
 4. reduce-scatter as ``all_to_all`` of the uint8 payload (padded to a multiple of N): each rank
    decodes the N copies of its chunk, sums them in float32 (exact: see
@@ -35,7 +36,6 @@ import math
 from collections import Counter
 from typing import Any, Iterable, Sequence
 
-import numpy as np
 import torch
 
 from fp8sim.formats import get_format
@@ -116,7 +116,9 @@ class Fp8GradReducer:
         owners: dict[str, int] | None = None,
     ) -> None:
         from fp8sim import backends
-        from fp8sim.policies import parse_policy
+        from fp8sim.quantizer import Quantizer, max_across
+        from fp8sim.recipes import CastConfig
+        from fp8sim.scaling_config import CurrentScalingConfig, parse_scaling
 
         if scaling.split(":")[0] not in GRAD_SCALINGS:
             raise ValueError(f"gradient scaling must be one of {GRAD_SCALINGS}, got {scaling!r}")
@@ -127,9 +129,18 @@ class Fp8GradReducer:
         self.world, self.group = world, group
         self.fmt = get_format(fmt)
         self.scaling = scaling
-        self.policy = parse_policy(scaling) if scaling.startswith("autoscale") else None
         self.other_dtype = other_dtype
         self.backend = backends.get(backend) if isinstance(backend, str) else backend
+        # the shared scale: every rank's amax MAX-reduced (a rank whose amax is 0 or NaN sets no
+        # bound), then AutoScale's mu * fmax / amax, or MS-AMP's power-of-two scale / sqrt(N)
+        reduction = max_across(group) if world > 1 else None
+        if scaling.startswith("autoscale"):
+            self.quantizer = Quantizer(CastConfig(self.fmt, parse_scaling(scaling)[0]), self.backend,
+                                       amax_reduction=reduction)
+        else:
+            self.quantizer = Quantizer(CastConfig(self.fmt, CurrentScalingConfig(pow2=True)), self.backend,
+                                       amax_reduction=reduction, scale_divisor=math.sqrt(world))
+        self.policy = self.quantizer.policy if scaling.startswith("autoscale") else None
         self.counter = counter if counter is not None else CommCounter(world)
         self.owners = owners
         self.stash: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -177,35 +188,20 @@ class Fp8GradReducer:
         return t.numel() * t.element_size() + (4 if sinv is not None else 0)
 
     # -- FP8 path -------------------------------------------------------------------------------
-    def _local_scale(self, name: str, amax: float, *, alone: bool = False) -> float:
-        """This rank's scale for ``amax``. An amax of 0 or NaN sets no bound (+inf: the rule's
-        ``fmax / amax`` for 0; a NaN rank is skipped as the simulator's global amax skips it),
-        unless ``alone`` (every rank so: the rule's own value, 1 x mu or 1/sqrt(N))."""
-        from fp8sim.scaling import scale_from_amax
-
-        if not alone and not amax > 0:
-            return math.inf
-        if self.policy is not None:
-            return float(self.policy.scale_for(name, self.fmt, current_amax=amax))
-        base = float(scale_from_amax(np.float32(amax), self.fmt, pow2=True))  # MS-AMP: pow2, then 1/sqrt(N)
-        return float(np.float32(base / math.sqrt(self.world)))
-
     def _reduce_fp8(self, items: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         import torch.distributed as dist
 
         n, fmt = self.world, self.fmt
         names = [self.names[id(p)] for p, _ in items]
         grads = [g.detach().to(torch.float32) for _, g in items]
-        amaxes = [float(self.backend.amax(g)) for g in grads]
-        scales = torch.tensor([self._local_scale(nm, a) for nm, a in zip(names, amaxes)], dtype=torch.float32)
-        if n > 1:
-            dist.all_reduce(scales, op=dist.ReduceOp.MIN, group=self.group)  # the shared scale
-        for i in torch.nonzero(torch.isinf(scales)).reshape(-1).tolist():  # no rank set a bound
-            scales[i] = self._local_scale(names[i], 0.0, alone=True)
+        amaxes = torch.stack([self.backend.amax(g) for g in grads])
+        amaxes = self.quantizer.reduce_amax(amaxes)  # one all_reduce(MAX) of every tensor's amax
+        scales = torch.tensor([self.quantizer.scale_for(nm, float(a)) for nm, a in zip(names, amaxes)],
+                              dtype=torch.float32)
         self.counter.add("scales", "all_reduce", scales.numel() * 4)
         codes = []
-        for g, s in zip(grads, scales):
-            c, _ = self.backend.quantize(g, fmt, s)
+        for nm, g, s in zip(names, grads, scales):
+            c = self.quantizer.quantize(nm, g, observe=False, scale=s).codes
             mag = c & (fmt.sign_mask - 1)
             nz = g != 0
             self.stats["underflow"] += int((nz & (mag == 0)).sum())
@@ -231,7 +227,7 @@ class Fp8GradReducer:
         self.counter.add("wgrad_fp8", "all_gather", flat.numel())
         self.counter.add("wgrad_bf16_equiv", "all_reduce", 2 * numel)
         out, off = [], 0
-        for (p, g), nm, s, a in zip(items, names, scales, amaxes):
+        for (p, g), nm, s, a in zip(items, names, scales, amaxes.tolist()):
             c = full[off : off + g.numel()].view(g.shape)
             off += g.numel()
             sinv = (torch.reciprocal(s) / n).to(torch.float32)
@@ -239,7 +235,7 @@ class Fp8GradReducer:
             out.append(decode_codes(c, fmt) * sinv)
             if self.policy is not None:
                 at_max = int(((c & (fmt.sign_mask - 1)) == fmt.max_code).sum())
-                self.policy.observe(nm, a, fmt, numel=c.numel(), n_at_max=at_max)
+                self.quantizer.observe(nm, a, numel=c.numel(), n_at_max=at_max)
         return out
 
     def _reduce_fp8_to_owners(self, items, names, scales, amaxes, codes) -> list[torch.Tensor]:

@@ -46,8 +46,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from fp8sim.scaling import parse_granularity
-from fp8sim.training.fp8_state import Fp8Operand, Fp8State, dequantize_blocks
+from fp8sim.quantizer import QuantizedTensor
+from fp8sim.training.fp8_state import Fp8State
 
 __all__ = ["Fp8Linear", "is_hf_conv1d", "in_backward"]
 
@@ -61,11 +61,20 @@ __all__ = ["Fp8Linear", "is_hf_conv1d", "in_backward"]
 _LAYERS: "weakref.WeakValueDictionary[int, Fp8Linear]" = weakref.WeakValueDictionary()
 
 
+def _saves_codes(state: Fp8State) -> bool:
+    """Whether the forward saves the FP8 X and W for the backward (tensor scaling with both
+    backward GEMMs in FP8), else the float32 X and W (re-cast along the other axis, or kept
+    high precision for a GEMM the recipe runs so)."""
+    gemms = state.recipe.gemms
+    return (state.casts["activation"].granularity.kind == "tensor" and gemms.dgrad and gemms.wgrad
+            and state.recipe.weight_dgrad is None)
+
+
 def _saved_specs(layer: "Fp8Linear", m: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of what the forward saves: codes + scale_inv of X (M, K) and W (N, K),
-    or for MX the float32 X and W (the backward re-casts them along the other axis)."""
+    """Shapes and dtypes of what the forward saves: codes + scale of X (M, K) and W (N, K), or
+    the float32 X and W (see :func:`_saves_codes`)."""
     k, n = layer.in_features, layer.out_features
-    if layer.state.casts["activation"].granularity == "tensor":
+    if _saves_codes(layer.state):
         return [((m, k), torch.uint8), ((), torch.float32), ((n, k), torch.uint8), ((), torch.float32)]
     return [((m, k), torch.float32), ((0,), torch.float32), ((n, k), torch.float32), ((0,), torch.float32)]
 
@@ -90,12 +99,12 @@ def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
             w32 = w32.t().contiguous()
         xq = st.cast(f"{layer.name}.input", "activation", x32, observe=observe, recompute=recompute)
         wq = st.cast(f"{layer.name}.weight", "weight", w32, observe=observe, recompute=recompute)
-        y = st.gemm(xq, wq)  # (M, N) float32
+        y = st.gemm(xq, wq) if st.recipe.gemms.fprop else x32 @ w32.t()  # (M, N) float32
         if bias is not None:  # the GEMM epilogue's float32 add, before the one rounding
             y = y + bias.detach().to(torch.float32)
-    if xq.granularity == "tensor":
-        saved = (xq.codes, xq.scale_inv, wq.codes, wq.scale_inv)
-    else:  # MX re-casts along the other axis in backward, from the high-precision tensors
+    if _saves_codes(st):  # the codes and the scales they were cast with (scale_inv = 1 / scale, as the cast's)
+        saved = (xq.codes, xq.scale, wq.codes, wq.scale)
+    else:  # blocks re-cast along the other axis in backward, from the high-precision tensors
         empty = torch.zeros(0, dtype=torch.float32)
         saved = (x32, empty, w32, empty.clone())
     # outputs of a custom op may not alias its inputs or each other
@@ -122,27 +131,33 @@ def _fp8_linear_backward_op(gy: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor
     fmt_x, fmt_w = st.formats["activation"], st.formats["weight"]
     with torch.autocast(gy.device.type, enabled=False):
         gy = gy.to(torch.float32).contiguous()  # (M, N); exact from bf16 / fp16
+        gemms = st.recipe.gemms
         gq = st.cast(f"{layer.name}.grad_output", "grad_output", gy, observe=observe)
         if s0.dtype == torch.uint8:  # tensor scaling: the FP8 X and W of the forward
-            xq, wq = Fp8Operand(s0, s1, fmt_x), Fp8Operand(s2, s3, fmt_w)
+            xq = QuantizedTensor(s0, torch.reciprocal(s1), fmt_x, st.casts["activation"].granularity, scale=s1)
+            wq = QuantizedTensor(s2, torch.reciprocal(s3), fmt_w, st.casts["weight"].granularity, scale=s3)
             dx = st.gemm(gq, wq.t())  # (M, N) x (N, K) -> (M, K)
             dw = st.gemm(gq.t(), xq.t())  # (N, M) x (M, K) -> (N, K)
-        else:  # blocks along each GEMM's reduction axis, cast from the high-precision tensors
+        else:  # each GEMM's operands along its reduction axis, cast from the high-precision tensors
             x, w = s0, s2
-            r, c = parse_granularity(st.casts["weight"].granularity).block
-            if r == c:  # square tiles: the forward's quantized W (the same cast of the same w), transposed
-                wt = st.cast(f"{layer.name}.weight", "weight", w, observe=False).t()  # (K, N)
+            w_role = "weight_dgrad" if "weight_dgrad" in st.quantizers else "weight"
+            w_gran = st.quantizers[w_role].granularity
+            if not gemms.dgrad:
+                dx = gy @ w  # (M, N) x (N, K), float32
+            elif w_gran.kind == "tensor" or _square(w_gran):
+                # one scale or square tiles: the cast of W (the forward's, for the same role), transposed
+                dx = st.gemm(gq, st.cast(f"{layer.name}.weight", w_role, w, observe=False).t())
             else:
-                wt = st.cast(f"{layer.name}.weight", "weight", w.t().contiguous(), observe=False)  # (K, N)
-            # the weight-gradient operands, reduced along the tokens: (N, M) and (K, M)
-            gt = st.cast(f"{layer.name}.grad_output", "grad_output", gy.t().contiguous(), observe=False, wgrad=True)
-            xt = st.cast(f"{layer.name}.input", "activation", x.t().contiguous(), observe=False, wgrad=True)
-            dx = st.gemm(gq, wt)
-            dw = st.gemm(gt, xt)
+                dx = st.gemm(gq, st.cast(f"{layer.name}.weight", w_role, w.t().contiguous(), observe=False))
+            if not gemms.wgrad:
+                dw = gy.t() @ x  # (N, M) x (M, K), float32
+            else:  # the weight-gradient operands, reduced along the tokens: (N, M) and (K, M)
+                gt = st.cast(f"{layer.name}.grad_output", "grad_output", gy.t().contiguous(), observe=False,
+                             wgrad=True)
+                xt = st.cast(f"{layer.name}.input", "activation", x.t().contiguous(), observe=False, wgrad=True)
+                dw = st.gemm(gt, xt)
         if "weight_grad" in st.casts:  # FP8-LM O1: the weight gradient itself travels in FP8
-            dwq = st.cast(f"{layer.name}.weight_grad", "weight_grad", dw, observe=observe)
-            dw = dequantize_blocks(dwq) if dwq.granularity != "tensor" else st.backend.dequantize(
-                dwq.codes, dwq.fmt, dwq.scale_inv, out_dtype=torch.float32)
+            dw = st.backend.to_float(st.cast(f"{layer.name}.weight_grad", "weight_grad", dw, observe=observe))
         db = gy.sum(0).to(b_dtype) if b_dtype is not None else gy.new_zeros(0)
     if layer.transposed:
         dw = dw.t()  # (K, N), the stored layout
@@ -156,6 +171,10 @@ def _(gy, s0, s1, s2, s3, key, observe, x_dtype, w_dtype, b_dtype):
     w_shape = (k, n) if layer.transposed else (n, k)
     db = gy.new_empty((n,), dtype=b_dtype) if b_dtype is not None else gy.new_empty((0,), dtype=gy.dtype)
     return gy.new_empty((m, k), dtype=x_dtype), gy.new_empty(w_shape, dtype=w_dtype), db
+
+
+def _square(g) -> bool:
+    return g.block is not None and g.block[0] == g.block[1]
 
 
 def _fp8_linear_setup_context(ctx, inputs, output) -> None:

@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from fp8sim.training.fp8_allreduce import CommCounter, Fp8GradReducer
 from fp8sim.training.convert import ModuleFilter, convert_to_fp8, fp8_linears, get_fp8_state
-from fp8sim.training.recipes import Recipe, get_recipe
+from fp8sim.recipes import Recipe, get_recipe
 
 __all__ = ["Fp8LMTraining", "Fp8LMOptimizer", "prepare"]
 
@@ -188,9 +188,8 @@ def prepare(
         raise ValueError(f"fp8lm.prepare: FP8-LM's Adam keeps its own FP16 masters and needs float32 parameters; "
                          f"{bad[0]} is {dict(named)[bad[0]].dtype} (prepare before model.to(dtype))")
     fp8_comm = r.grad_comm == "fp8"
-    extra = dict(r.extra)
-    scope = fp8_grads or extra.get("fp8_grads", "linear")
-    scaling = grad_scaling or extra.get("grad_scaling", "autoscale")
+    scope = fp8_grads or r.fp8_grads.value
+    scaling = grad_scaling or r.grad_scaling.value
     fp8_names = {f"{m.name}.weight" for m in fp8_linears(model)} if fp8_comm else set()
     grad_fp8_names = {n for n, _ in named} if fp8_comm and scope == "all" else fp8_names
     other = torch.bfloat16 if (fp8_comm or r.grad_comm == "bf16" or r.autocast == "bfloat16") else torch.float32

@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from fp8sim.formats import FloatFormat, get_format
-from fp8sim.scaling import scale_from_amax
 
 __all__ = ["Fp8AdamW", "update_bound", "GradSource"]
 
@@ -68,11 +67,20 @@ def update_bound(step: int, beta1: float, beta2: float) -> float:
 _FP16 = get_format("fp16")
 
 
+def _pow2_quantizer(fmt: FloatFormat) -> Any:
+    """The decider of the state scales: current scaling, power of two (a bound as the amax)."""
+    from fp8sim.quantizer import Quantizer
+    from fp8sim.recipes import CastConfig
+    from fp8sim.scaling_config import CurrentScalingConfig
+
+    return Quantizer(CastConfig(fmt, CurrentScalingConfig(pow2=True)))
+
+
 def _pow2_scale(bound: float, fmt: FloatFormat, previous: float) -> float:
     """``2**floor(log2(fmt.max / bound))`` clamped to ``2**+-100``; ``previous`` for bound 0."""
     if not (math.isfinite(bound) and bound > 0):
         return previous
-    s = float(scale_from_amax(np.float32(bound), fmt, pow2=True))
+    s = _pow2_quantizer(fmt).scale_for("bound", float(np.float32(bound)))
     e = int(np.frexp(s)[1]) - 1
     return 2.0 ** min(max(e, -_SCALE_EXP_LIMIT), _SCALE_EXP_LIMIT)
 

@@ -31,12 +31,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fp8sim.formats import get_format
 from fp8sim.trace import TraceReader, TraceWriter
 from fp8sim.training.convert import fp8_linears, get_fp8_state
 from fp8sim.training.fp8_linear import is_hf_conv1d
 from fp8sim.training.fp8_state import Fp8Operand
-from fp8sim.training.recipes import CastConfig, get_recipe
+from fp8sim.recipes import CastConfig, get_recipe
 
 __all__ = ["Recorder", "record"]
 
@@ -72,18 +71,18 @@ class Recorder:
             recipe_name = recipe
         # the weight gradient is not cast by TE recipes: record it against the gradient format
         if "weight_grad" not in casts:
-            casts["weight_grad"] = CastConfig(casts["grad_output"].fmt, casts["grad_output"].policy)
+            casts["weight_grad"] = CastConfig(casts["grad_output"].fmt, casts["grad_output"].scaling)
         self.casts = casts
-        from fp8sim.policies import parse_policy
+        from fp8sim.quantizer import Quantizer
 
-        # policies for the tensors the model does not cast itself
+        # quantizers for the tensors the model does not cast itself (their scales are what-ifs)
         own_roles = [r for r in casts if self.state is None or r not in self.state.casts]
-        self.policies = {r: parse_policy(casts[r].policy) for r in own_roles}
+        self.quantizers = {r: Quantizer(casts[r]) for r in own_roles}
         meta = {
             "source": "fp8sim.training.recorder",
             "live_casts": self.state is not None,
-            "casts": {r: {"format": c.fmt, "policy": c.policy, "granularity": c.granularity,
-                          "rounding": c.rounding} for r, c in casts.items()},
+            "casts": {r: {"format": c.fmt.name, "policy": c.policy, "granularity": c.granularity.spec,
+                          "rounding": c.rounding.value} for r, c in casts.items()},
             "hypothetical_recipe": None if self.state is not None else recipe_name,
         }
         meta.update(config or {})
@@ -180,13 +179,11 @@ class Recorder:
 
     def _record_hypothetical(self, name: str, role: str, x: torch.Tensor) -> None:
         """A tensor the model does not cast: the recorder's policy gives the scale it would get."""
-        cast = self.casts[role]
-        fmt = get_format(cast.fmt)
-        policy = self.policies[role]
+        q = self.quantizers[role]
         amax = float(x.float().abs().amax()) if x.numel() else 0.0
-        scale = float(policy.scale_for(name, fmt, current_amax=amax if policy.just_in_time else None))
-        policy.observe(name, amax, fmt)
-        self._write(name, role, x, fmt, scale, amax)
+        scale = q.scale_for(name, amax)
+        q.observe(name, amax)
+        self._write(name, role, x, q.fmt, scale, amax)
 
     def _on_cast(self, name: str, role: str, x: torch.Tensor, cast: CastConfig, scale, op: Fp8Operand) -> None:
         """Tap of an FP8 model: the live cast, with the scale it used (the model calls it only
@@ -194,7 +191,7 @@ class Recorder:
         if self.step < 1:
             return
         amax = float(x.float().abs().amax()) if x.numel() else 0.0
-        if op.granularity == "tensor":
+        if op.granularity.kind == "tensor":
             self._write(name, role, x, op.fmt, float(scale), amax)
         else:  # MX: block scales; the record keeps scale 1 and the measured counts
             mag = op.codes & (op.fmt.sign_mask - 1)
@@ -218,13 +215,13 @@ class Recorder:
 
     def state_dict(self) -> dict:
         """The recorder's own policies (hypothetical casts), for checkpoints."""
-        return {"step": self.step, "policies": {r: p.state_dict() for r, p in self.policies.items()}}
+        return {"step": self.step, "policies": {r: q.state_dict() for r, q in self.quantizers.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         self.step = int(d["step"])
         for role, sd in d["policies"].items():
-            if role in self.policies:
-                self.policies[role].load_state_dict(sd)
+            if role in self.quantizers:
+                self.quantizers[role].load_state_dict(sd)
 
     def flush(self) -> None:
         self.writer.flush()

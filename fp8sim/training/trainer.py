@@ -34,7 +34,7 @@ from fp8sim.training.data import ByteCorpus, get_batch, load_corpus
 from fp8sim.training.convert import convert_to_fp8, get_fp8_state
 from fp8sim.training.config import BACKENDS, TrainConfig
 from fp8sim.training.model import GPT, GPTConfig
-from fp8sim.training.recipes import get_recipe
+from fp8sim.recipes import get_recipe
 
 __all__ = ["TrainConfig", "Trainer", "mean_val_loss", "memory_per_parameter", "read_metrics", "BACKENDS"]
 
@@ -123,7 +123,7 @@ def mean_val_loss(model, corpus, cfg, fp8, autocast) -> float:
 def needs_data_parallel(recipe) -> bool:
     """Whether ``recipe`` trains only through :class:`~fp8sim.training.distributed.DataParallel`
     (FP8-LM's FP8 all-reduce, FP8 Adam or FP8 weights), even on one rank."""
-    return (recipe.optimizer, recipe.grad_comm, recipe.weight_storage) != ("adamw", "none", "fp32")
+    return not recipe.single_process
 
 
 class Trainer:
@@ -158,10 +158,10 @@ class Trainer:
         self.out = Path(out_dir)
         self.dp = dp = data_parallel
         self.rank = dp.rank if dp is not None else 0
-        self.recipe = get_recipe(cfg.recipe)
+        self.recipe = get_recipe(cfg.recipe)  # a name, or the Recipe object itself
         if dp is None and needs_data_parallel(self.recipe):
             raise NotImplementedError(
-                f"recipe {cfg.recipe}: optimizer={self.recipe.optimizer}, grad_comm={self.recipe.grad_comm}, "
+                f"recipe {cfg.recipe_name}: optimizer={self.recipe.optimizer}, grad_comm={self.recipe.grad_comm}, "
                 f"weight_storage={self.recipe.weight_storage} need the distributed FP8-LM trainer"
             )
         self.corpus = corpus if corpus is not None else load_corpus(cfg.data, max_bytes=cfg.max_bytes)
@@ -318,7 +318,7 @@ class Trainer:
         """
         cfg = self.cfg
         last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-        desc = f"{cfg.recipe}/{cfg.backend}" + (f" x{self.dp.world}" if self.dp is not None else "")
+        desc = f"{cfg.recipe_name}/{cfg.backend}" + (f" x{self.dp.world}" if self.dp is not None else "")
         bar = _progress(progress and self.rank == 0 if progress is not None else (None if self.rank == 0 else False),
                         total=cfg.steps, initial=self.start_step, desc=desc)  # fmt: skip
         t_start = time.perf_counter()

@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 from fp8sim.formats import get_format
-from fp8sim.scaling import scale_from_amax
+from fp8sim.quantizer import Quantizer
+from fp8sim.recipes import CastConfig
+from fp8sim.scaling_config import CurrentScalingConfig
 
 __all__ = ["place_tensors", "ZeroFp8Weights"]
 
@@ -87,6 +89,7 @@ class ZeroFp8Weights:
         self.fmt = get_format(weight_fmt)
         be = kw.get("backend", "emulator")
         self.backend = backends.get(be) if isinstance(be, str) else be
+        self._weights = Quantizer(CastConfig(self.fmt, CurrentScalingConfig(pow2=True)), self.backend)
         self.owner = place_tensors([p.numel() for _, p in self.params], world)
         owned = [p for (_, p), o in zip(self.params, self.owner) if o == rank]
         # a rank that owns nothing still needs an optimizer object (param_groups for the lr)
@@ -121,10 +124,8 @@ class ZeroFp8Weights:
         st = self.optimizer.state[p]
         if name in self.fp8_names:
             w = st["master"].float() * st["master_scale_inv"]  # exact: power-of-two scale
-            amax = float(w.abs().amax()) if w.numel() else 0.0
-            scale = float(scale_from_amax(np.float32(amax), self.fmt, pow2=True))
-            codes, sinv = self.backend.quantize(w, self.fmt, scale)
-            return codes.reshape(-1), sinv.reshape(1).float()
+            q = self._weights.quantize(name, w, observe=False)  # power-of-two scale from its amax
+            return q.codes.reshape(-1), q.scale_inv.reshape(1).float()
         return st["master"].reshape(-1).view(torch.uint8), st["master_scale_inv"].reshape(1).float()
 
     def _nbytes(self, name: str, p: torch.nn.Parameter) -> int:
