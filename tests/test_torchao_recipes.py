@@ -145,3 +145,12 @@ def test_torchao_recipes_are_torchaos_configs():
     assert rw.grad_output == CastConfig(e4m3, TorchaoScalingConfig(pow2=True), Granularity.row())
     hp = get_recipe("torchao-rowwise-gw-hp").linear
     assert hp.weight_dgrad == CastConfig(e4m3, TorchaoScalingConfig(pow2=True)) and not hp.gemms.wgrad
+
+
+def test_the_float64_accumulation_of_the_exact_rule_is_refused_for_torchaos_gemm():
+    from torch import nn
+
+    from fp8sim.training import convert_to_fp8
+
+    with pytest.raises(ValueError, match="float64' is the exact GEMM rule's; .* torchao rule"):
+        convert_to_fp8(nn.Sequential(nn.Linear(32, 16)), "torchao-tensorwise", gemm_accumulate="float64")

@@ -92,6 +92,9 @@ class Fp8State:
         if mode is not None and mode not in GEMM_ACCUMULATIONS:
             raise ValueError(f"Fp8State: gemm_accumulate must be one of "
                              f"{', '.join(GEMM_ACCUMULATIONS)} or None, got {mode!r}")
+        if mode == "float64" and self.gemm_rule != GemmRule.EXACT:
+            raise ValueError(f"Fp8State: gemm_accumulate='float64' is the exact GEMM rule's; this recipe's GEMMs "
+                             f"follow the {self.gemm_rule.value} rule")
         if mode == "float64" and any(c.granularity.kind not in ("tensor", "row") for c in self.casts.values()):
             raise ValueError("Fp8State: gemm_accumulate='float64' is for per-tensor scaled GEMMs; the block-scaled "
                              "ones (mx, block, nvfp4) accumulate in float32 (see fp8sim.backends.gemms)")
