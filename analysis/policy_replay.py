@@ -154,11 +154,12 @@ class _Replayed:
     by a :class:`~fp8sim.quantizer.Quantizer` per recorded format (the scale decisions)."""
 
     def __init__(self, spec: str) -> None:
+        from fp8sim.policies import build_policy
         from fp8sim.scaling_config import parse_scaling, scaling_spec
 
         self.config, self.granularity = parse_scaling(spec)
         self.spec = scaling_spec(self.config, self.granularity)
-        self.policy = self.config.build()
+        self.policy = build_policy(self.config)
         self._quantizers: dict[str, object] = {}
 
     def quantizer(self, fmt):

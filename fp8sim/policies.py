@@ -6,7 +6,7 @@ Two objects per policy:
   :class:`DelayedScalingConfig`, :class:`MSAMPScalingConfig`, :class:`AutoScaleConfig`,
   :class:`StaticScalingConfig`): what a recipe holds and what ``"name:key=value"`` specs parse
   into (:func:`parse_scaling`, once, at the edges);
-* a **policy** -- the stateful object built from it (``config.build()``), holding per-tensor
+* a **policy** -- the stateful object built from it (:func:`build_policy`), holding per-tensor
   state keyed by tensor name: ``scale_for(name, fmt, current_amax)``, ``observe(name, amax, fmt,
   **stats)``, ``state_dict()`` / ``load_state_dict()`` (plain Python data, so a run resumes and a
   trace replays step by step with the same results).
@@ -57,6 +57,7 @@ two levels) and ``current:gran=row|col|block:RxC``.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import fields
 from typing import Any, ClassVar
 
@@ -64,7 +65,8 @@ import numpy as np
 
 from fp8sim.formats import FloatFormat, get_format
 from fp8sim.policy_params import format_param
-from fp8sim.scaling import Granularity, ScaledTensor, block_multiplier, scale_from_amax
+from fp8sim.scaling import (Granularity, ScaledTensor, block_multiplier, compute_amax, quantize_scaled,
+                            scale_from_amax)  # fmt: skip
 from fp8sim.scaling_config import (POLICY_SPECS, AmaxAlgo, AutoScaleBase, AutoScaleConfig, CurrentScalingConfig,
                                    DelayedScalingConfig, MSAMPScalingConfig, ScalingConfig, StaticScalingConfig,
                                    TorchaoScalingConfig, parse_scaling, scaling_spec)  # fmt: skip
@@ -85,7 +87,7 @@ __all__ = [
     "parse_scaling",
     "scaling_spec",
     "parse_policy",
-    "policy_class",
+    "build_policy",
     "format_param",
 ]
 
@@ -195,12 +197,28 @@ class ScalingPolicy:
         self._tensors = {str(k): _copy_state(v) for k, v in d["tensors"].items()}
 
     def quantize(self, name: str, x: Any, fmt: FloatFormat | str, *, observe: bool = True, **cast: Any) -> ScaledTensor:
-        """amax -> scale -> cast -> observe of a numpy array or CPU tensor (numpy out): the
-        :class:`~fp8sim.quantizer.Quantizer` protocol on this policy (``cast``: ``rounding``,
-        ``saturate``, ``seed``, ``srbits``)."""
-        from fp8sim.quantizer import quantize_numpy
-
-        return quantize_numpy(self, self._granularity, name, x, fmt, observe=observe, **cast)
+        """Deprecated (casting is the quantizer's; a policy decides scales): amax -> scale -> cast
+        -> observe of a numpy array or CPU tensor with the numpy reference cast
+        (:func:`fp8sim.scaling.quantize_scaled`; ``cast``: ``rounding``, ``saturate``, ``seed``,
+        ``srbits``). Use ``fp8sim.quantizer.Quantizer(CastConfig(fmt, policy.config,
+        granularity), backend).quantize``."""
+        warnings.warn("ScalingPolicy.quantize is deprecated and will be removed in the next release; use "
+                      "fp8sim.quantizer.Quantizer(CastConfig(fmt, policy.config, granularity), backend).quantize",
+                      DeprecationWarning, stacklevel=2)
+        g = self._granularity
+        fmt = get_format("e2m1" if g.kind == "nvfp4" else fmt)
+        amax = float(compute_amax(x, "tensor", ignore_nan=True))
+        if g.kind == "tensor":
+            st = quantize_scaled(x, fmt, g, scale=self.scale_for(name, fmt, current_amax=amax), **cast)
+        else:
+            c = self.config
+            rule = {} if g.kind in ("mx", "nvfp4") else {"margin": c.margin, "pow2": c.pow2, "epsilon": c.epsilon}
+            st = quantize_scaled(x, fmt, g, **rule, **cast)
+        if observe:
+            mag = st.codes & (fmt.sign_mask - 1) if fmt.signed else st.codes
+            self.observe(name, amax, fmt, numel=int(st.codes.size),
+                         n_at_max=int(np.count_nonzero(mag == fmt.max_code)), n_nan=st.nan_count)
+        return st
 
     # -- helpers of the subclasses ---------------------------------------------------------------
     def _state(self, name: str) -> dict:
@@ -426,9 +444,10 @@ _POLICY_OF: dict[type[ScalingConfig], type[ScalingPolicy]] = {
 }
 
 
-def policy_class(config_type: type[ScalingConfig]) -> type[ScalingPolicy]:
-    """The stateful policy class of a config class (what ``config.build()`` makes)."""
-    return _POLICY_OF[config_type]
+def build_policy(config: ScalingConfig) -> ScalingPolicy:
+    """A fresh stateful policy with ``config`` (its class is the config's: ``DelayedScalingConfig``
+    builds a :class:`DelayedScaling`, ...)."""
+    return _POLICY_OF[type(config)](config)
 
 def parse_policy(spec: str | ScalingPolicy) -> ScalingPolicy:
     """A fresh stateful policy from a spec (see :func:`parse_scaling`); a policy is returned
@@ -441,7 +460,7 @@ def parse_policy(spec: str | ScalingPolicy) -> ScalingPolicy:
         return _with_granularity(MXScaling(config), gran)
     if gran.kind == "nvfp4":
         return _with_granularity(NVFP4Scaling(config), gran)
-    return _with_granularity(config.build(), gran)
+    return _with_granularity(build_policy(config), gran)
 
 
 def _with_granularity(policy: ScalingPolicy, gran: Granularity) -> ScalingPolicy:

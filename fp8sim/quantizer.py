@@ -33,13 +33,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fp8sim.formats import FloatFormat, Rounding, get_format
+from fp8sim.formats import FloatFormat, Rounding
 from fp8sim.granularity import Granularity
+from fp8sim.policies import build_policy
 from fp8sim.recipes import CastConfig
-from fp8sim.scaling import ScaledTensor, block_multiplier, compute_amax, quantize_scaled
+from fp8sim.scaling import block_multiplier
 from fp8sim.scaling_config import AutoScaleConfig, TorchaoScalingConfig
 
-__all__ = ["QuantizedTensor", "Quantizer", "AmaxReduction", "max_across", "quantize_numpy", "stochastic_seed"]
+__all__ = ["QuantizedTensor", "Quantizer", "AmaxReduction", "max_across", "stochastic_seed"]
 
 #: an amax reduction: a callable taking and returning a float32 tensor of amaxes, or a
 #: ``torch.distributed`` process group (MAX across it, NaN amaxes left out unless all are NaN)
@@ -125,10 +126,10 @@ class Quantizer:
             once to float32 (FP8-LM's MS-AMP all-reduce divides by ``sqrt(world)``, a
             pre-scaled all-reduce by ``world``).
         policy: a policy object whose state this quantizer shares (default: a fresh
-            ``cast.scaling.build()``); its config must be ``cast.scaling``.
+            ``build_policy(cast.scaling)``); its config must be ``cast.scaling``.
 
     Attributes:
-        policy: the stateful policy (``cast.scaling.build()``); its state is this quantizer's.
+        policy: the stateful policy (``build_policy(cast.scaling)``); its state is this quantizer's.
     """
 
     def __init__(self, cast: CastConfig, backend: Any = None, *, amax_reduction: Any = None,
@@ -140,7 +141,7 @@ class Quantizer:
         self.granularity = cast.granularity
         if policy is not None and policy.config != cast.scaling:
             raise ValueError(f"Quantizer: the policy given is {policy.spec}, the cast's scaling {cast.scaling.spec}")
-        self.policy = policy if policy is not None else cast.scaling.build()
+        self.policy = policy if policy is not None else build_policy(cast.scaling)
         self.policy._granularity = cast.granularity  # its spec names the granularity too
         self.backend = backend
         self.amax_reduction = _as_reduction(amax_reduction)
@@ -300,26 +301,3 @@ def _as_reduction(r: Any) -> AmaxReduction | None:
     if r is None or callable(r):
         return r
     return max_across(r)  # a process group
-
-
-def quantize_numpy(policy: Any, granularity: Granularity, name: str, x: Any, fmt: FloatFormat | str, *,
-                   observe: bool = True, **cast: Any) -> ScaledTensor:
-    """The quantizer's protocol on a numpy array or CPU tensor, with the numpy reference casts
-    (:func:`fp8sim.scaling.quantize_scaled`) and a given policy object: what
-    :meth:`fp8sim.policies.ScalingPolicy.quantize` runs. ``cast``: ``rounding``, ``saturate``,
-    ``seed``, ``srbits``. NVFP4 casts to E2M1 whatever ``fmt`` says."""
-    fmt = get_format("e2m1" if granularity.kind == "nvfp4" else fmt)
-    amax = float(compute_amax(x, "tensor", ignore_nan=True))
-    if granularity.kind == "tensor":
-        scale = policy.scale_for(name, fmt, current_amax=amax if policy.just_in_time else None)
-        st = quantize_scaled(x, fmt, "tensor", scale=scale, **cast)
-    else:
-        c = policy.config
-        extra = {} if granularity.kind in ("mx", "nvfp4") else {"margin": c.margin, "pow2": c.pow2,
-                                                                 "epsilon": c.epsilon}
-        st = quantize_scaled(x, fmt, granularity, **extra, **cast)
-    if observe:
-        mag = st.codes & (fmt.sign_mask - 1) if fmt.signed else st.codes
-        policy.observe(name, amax, fmt, numel=int(st.codes.size), n_at_max=int(np.count_nonzero(mag == fmt.max_code)),
-                       n_nan=st.nan_count)
-    return st

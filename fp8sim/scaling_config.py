@@ -2,8 +2,8 @@
 
 A config (:class:`CurrentScalingConfig`, :class:`DelayedScalingConfig`,
 :class:`MSAMPScalingConfig`, :class:`AutoScaleConfig`, :class:`StaticScalingConfig`) is what a
-recipe holds; ``config.build()`` gives the stateful policy (:mod:`fp8sim.policies`, where every
-rule is stated). Spec strings (``"delayed:history=16,margin=1"``, ``"mx:rceil"``,
+recipe holds; :func:`fp8sim.policies.build_policy` gives the stateful policy (where every rule is
+stated). Spec strings (``"delayed:history=16,margin=1"``, ``"mx:rceil"``,
 ``"current:gran=block:1x128,pow2"``) are parsed into a config and a granularity once, at the
 edges, by :func:`parse_scaling`; :func:`scaling_spec` writes the canonical spelling back.
 
@@ -15,15 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from fp8sim.granularity import Granularity, parse_granularity, E8M0Rule
 from fp8sim.policy_params import Param, bare_word, coerce_params, format_param, split_items
-
-if TYPE_CHECKING:
-    from fp8sim.policies import ScalingPolicy
 
 __all__ = [
     "AmaxAlgo",
@@ -139,9 +136,6 @@ class ScalingConfig:
     def just_in_time(self) -> bool:
         return self.JUST_IN_TIME
 
-    def build(self) -> "ScalingPolicy":
-        """A fresh stateful policy with this config (:mod:`fp8sim.policies`)."""
-        from fp8sim.policies import policy_class
 
         return policy_class(type(self))(self)
 

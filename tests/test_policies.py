@@ -22,6 +22,8 @@ from fp8sim.policies import (
 )
 from fp8sim.scaling import scale_from_amax
 
+_LEGACY = pytest.mark.filterwarnings("ignore:ScalingPolicy.quantize is deprecated:DeprecationWarning")
+
 F32_MAX = float(np.finfo(np.float32).max)
 NAN, INF = float("nan"), float("inf")
 
@@ -217,6 +219,7 @@ def test_autoscale_threshold_is_strict_and_uses_overflow_alias():
         p.observe("g", 1.0, "e4m3")
 
 
+@_LEGACY
 def test_autoscale_on_data_halves_when_mu_saturates():
     x = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
     p = parse_policy("autoscale:mu_init=2")
@@ -343,9 +346,16 @@ def test_bad_inputs_to_policies():
         p.observe("x", 1.0, "e9m9x")
 
 
-# -- quantize convenience --------------------------------------------------------------------------
+# -- quantize convenience (deprecated: casting is the quantizer's) --------------------------------
 
 
+def test_policy_quantize_is_deprecated_naming_the_quantizer():
+    with pytest.warns(DeprecationWarning, match="use fp8sim.quantizer.Quantizer"):
+        parse_policy("current").quantize("x", np.ones((2, 4), np.float32), "e4m3")
+
+
+
+@_LEGACY
 def test_policy_quantize_delayed_uses_previous_scale_and_observes():
     x1 = np.full((2, 8), 2.0, np.float32)
     x2 = np.full((2, 8), 8.0, np.float32)
@@ -358,6 +368,7 @@ def test_policy_quantize_delayed_uses_previous_scale_and_observes():
     assert p.scale_for("x", "e4m3") == 56.0
 
 
+@_LEGACY
 def test_policy_quantize_granularities():
     x = np.random.default_rng(1).standard_normal((4, 70)).astype(np.float32)
     assert parse_policy("current:gran=row").quantize("x", x, "e4m3").scale_inv.shape == (4, 1)
@@ -428,6 +439,7 @@ def test_autoscale_scale_is_clamped_to_float32_max():
     assert s == float(np.finfo(np.float32).max)
 
 
+@_LEGACY
 def test_current_policy_skips_nan_like_other_granularities():
     x = np.array([[1, np.nan, 4], [2, 3, 0.5]], np.float32)
     a = parse_policy("current").quantize("a", x, "e4m3")

@@ -10,12 +10,17 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
 import pytest
 
 import fp8sim
 from fp8sim.analysis.policy_replay import RECORDED, replay_policies
 from fp8sim.nvfp4 import block_scales, cast_multiplier, dequantize_nvfp4_2d, quantize_nvfp4_2d
+from fp8sim import backends, get_format
 from fp8sim.policies import parse_policy
+from fp8sim.quantizer import Quantizer
+from fp8sim.recipes import CastConfig
+from fp8sim.scaling_config import parse_scaling
 from fp8sim.scaling import quantize_scaled, scale_from_amax
 from fp8sim.trace import TraceWriter
 
@@ -194,10 +199,12 @@ def test_nvfp4_policy_spec_and_cast():
     x = np.random.default_rng(0).standard_normal((20, 40)).astype(F32)
     for spec, tile, var in (("nvfp4", "1x16", "te"), ("nvfp4:16x1,torchao", "16x1", "torchao"),
                             ("nvfp4:2d,ct", "16x16", "compressed-tensors")):  # fmt: skip
-        st = parse_policy(spec).quantize("w", x, "e4m3")  # E2M1 whatever the format asked
+        config, gran = parse_scaling(spec)
+        st = Quantizer(CastConfig(get_format("e2m1"), config, gran), backends.get("emulator")).quantize(
+            "w", torch.from_numpy(x))
         ref = quantize_nvfp4_2d(x, tile, var)
-        assert st.fmt.name == "e2m1" and np.array_equal(st.codes, ref.codes)
-        assert np.array_equal(st.scale_inv, ref.block_scale)
+        assert st.fmt.name == "e2m1" and np.array_equal(st.codes.numpy(), ref.codes)
+        assert np.array_equal(st.scale_inv.numpy(), ref.block_scale)
     # compressed-tensors divides by b / G: its multiplier is 1 / float32(b / G)
     a = F32(3.0)
     g = F32(2688) * (F32(1) / a)

@@ -15,6 +15,7 @@ import torch
 from fp8sim import backends
 from fp8sim.formats import get_format
 from fp8sim.granularity import Granularity
+from fp8sim.policies import build_policy
 from fp8sim.quantizer import Quantizer
 from fp8sim.recipes import CastConfig, GemmRule, get_recipe
 from fp8sim.scaling_config import TorchaoScalingConfig
@@ -53,7 +54,7 @@ def test_scale_rule_equals_torchaos_amax_to_scale(ref, fmt, pow2):
     want = t[f"scale_rule/{fmt}/{'pow2' if pow2 else 'plain'}/scale"]
     assert_bits(torchao_scale(t["scale_rule/amax"], fmt, pow2=pow2), want, "scale")
     # the policy object (replay, analysis) gives the same numbers one amax at a time
-    pol = TorchaoScalingConfig(pow2=pow2).build()
+    pol = build_policy(TorchaoScalingConfig(pow2=pow2))
     some = t["scale_rule/amax"][::37]
     got = torch.tensor([pol.scale_for("x", fmt, current_amax=float(a)) for a in some], dtype=torch.float32)
     assert_bits(got, want[::37], "policy scale")
