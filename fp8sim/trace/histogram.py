@@ -34,11 +34,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import numba
 import numpy as np
 
-from fp8sim._numba.jit import jit_kernel
-from fp8sim.emulator import as_float_array
 from fp8sim.formats import FloatFormat, get_format
 
 __all__ = [
@@ -50,10 +47,9 @@ __all__ = [
     "EXPONENT_MAX",
     "DEFAULT_HIST_MANTISSA_BITS",
     "COUNT_ROUNDINGS",
-    "HistogramCounts",
-    "histogram_and_counts",
     "check_mantissa_bits",
     "num_bins",
+    "bin_id",
 ]
 
 #: the histogram's binades: EXPONENT_MIN is the "nonzero, float32(|x|) == 0" sentinel (float32's
@@ -131,120 +127,22 @@ def cast_thresholds(fmt: str | FloatFormat, rounding: str = "rne") -> CastThresh
 
 
 # ------------------------------------------------------------------------------------------
-# one-pass histogram kernel
+# the bins: one definition, used by the numba kernel and the torch ops (fp8sim.trace.statistics)
 # ------------------------------------------------------------------------------------------
 def num_bins(k: int) -> int:
     """The number of bin ids of a histogram keeping ``k`` mantissa bits (ids are ``0..n-1``)."""
     return (EXPONENT_MAX - EXPONENT_MIN + 1) << (k + 1)
 
 
-@jit_kernel
-def _abs_hist_kernel(x, scale, ov_at, ov_tie, un_at, un_tie, k, n_bins, n_parts):
-    """One pass over flat ``x`` (float32 or float64): per part a dense |x| histogram, and counts.
+def bin_id(exponent, mantissa_top, inexact, k):
+    """The bin id of ``2**exponent * (1 + f)`` whose ``k`` leading mantissa bits are
+    ``mantissa_top = floor(f * 2**k)`` and ``inexact = f * 2**k != mantissa_top`` (0 or 1).
 
-    Returns (hist (n_parts, n_bins) int64, stats (n_parts, 5) int64 = zero, nan, inf, overflow,
-    underflow, amax (n_parts,) float64 over finite values).
-    """
-    n = x.size
-    hist = np.zeros((n_parts, n_bins), np.int64)
-    stats = np.zeros((n_parts, 5), np.int64)
-    amax = np.zeros(n_parts, np.float64)
-    per = (n + n_parts - 1) // n_parts
-    scale_k = 2.0**k
-    lo_id = 1  # sentinel: (EXPONENT_MIN, 0, inexact)
-    hi_id = ((EXPONENT_MAX - EXPONENT_MIN) << (k + 1)) + 1
-    for p in numba.prange(n_parts):
-        start = p * per
-        stop = min(n, start + per)
-        zero = 0
-        nan = 0
-        inf = 0
-        over = 0
-        under = 0
-        mx = 0.0
-        for i in range(start, stop):
-            v = np.float64(x[i])
-            if v != v:
-                nan += 1
-                continue
-            a = abs(v)
-            if a == np.inf:
-                inf += 1
-                continue
-            if a == 0.0:
-                zero += 1
-                continue
-            if a > mx:
-                mx = a
-            a32 = np.float64(np.float32(a))
-            if a32 == 0.0:
-                b = lo_id
-            elif a32 == np.inf:
-                b = hi_id
-            else:
-                fr, ex = math.frexp(a32)  # a32 = fr * 2**ex, 0.5 <= fr < 1
-                f = (2.0 * fr - 1.0) * scale_k
-                m = int(f)
-                b = ((ex - 1 - EXPONENT_MIN) << (k + 1)) + 2 * m + (1 if f != m else 0)
-            hist[p, b] += 1
-            q = np.float64(np.float32(a32 * scale))  # float32(float32(x) * scale)
-            if q > ov_at or (ov_tie and q == ov_at):
-                over += 1
-            elif q < un_at or (un_tie and q == un_at):
-                under += 1
-        stats[p, 0] = zero
-        stats[p, 1] = nan
-        stats[p, 2] = inf
-        stats[p, 3] = over
-        stats[p, 4] = under
-        amax[p] = mx
-    return hist, stats, amax
-
-
-def _as_float_array(x: Any, what: str = "x") -> np.ndarray:
-    """Flat float32/float64 array of ``x`` (numpy, or a torch tensor on any device), no rounding:
-    :func:`fp8sim.emulator.as_float_array` after moving a device tensor to the CPU."""
-    if type(x).__module__.startswith("torch") and x.device.type != "cpu":
-        x = x.detach().cpu()
-    return np.ascontiguousarray(as_float_array(x, what)[0]).reshape(-1)
-
-
-@dataclass
-class HistogramCounts:
-    """What one pass over a tensor gives: its sparse |x| histogram and its counts."""
-
-    bins: np.ndarray  # uint32, sorted
-    counts: np.ndarray  # int64
-    numel: int
-    zero: int
-    nan: int
-    inf: int
-    overflow: int
-    underflow: int
-    amax: float  # max finite |x| (0.0 if none)
-
-
-def histogram_and_counts(
-    x: Any, fmt: FloatFormat, scale: float, rounding: str, k: int
-) -> HistogramCounts:
-    """One numba pass over ``x``: the histogram of |x| keeping ``k`` mantissa bits, the zero /
-    NaN / inf counts, max finite |x|, and the overflow/underflow counts of
-    ``encode(float32(float32(x) * float32(scale)))`` in ``fmt`` under ``rounding`` (one of
-    :data:`COUNT_ROUNDINGS`)."""
-    a = _as_float_array(x)
-    thr = cast_thresholds(fmt, rounding)
-    n_parts = max(1, min(numba.get_num_threads(), a.size // (1 << 16)))
-    hist, stats, amax = _abs_hist_kernel(
-        a, float(np.float32(scale)), thr.overflow_at, thr.overflow_tie,
-        thr.underflow_at, thr.underflow_tie, k, num_bins(k), n_parts,
-    )  # fmt: skip
-    dense = hist.sum(axis=0)
-    nz = np.flatnonzero(dense)
-    s = stats.sum(axis=0)
-    return HistogramCounts(
-        nz.astype(np.uint32), dense[nz], int(a.size), int(s[0]), int(s[1]), int(s[2]),
-        int(s[3]), int(s[4]), float(amax.max()) if amax.size else 0.0,
-    )  # fmt: skip
+    Plain arithmetic on Python ints, numpy or torch integer arrays alike (the numba kernel
+    compiles this same function); the sentinel binades are ``exponent = EXPONENT_MIN`` (nonzero,
+    float32(|x|) == 0) and ``EXPONENT_MAX`` (finite, float32(|x|) == inf), with mantissa 0 and
+    inexact 1."""
+    return ((exponent - EXPONENT_MIN) << (k + 1)) + 2 * mantissa_top + inexact
 
 
 # ------------------------------------------------------------------------------------------
@@ -291,8 +189,7 @@ class AbsHistogram:
 
     def _bin_id(self, e: int, m_top: int, m_bits: int) -> int:
         """Exact bin of ``2**e * (1 + m_top/2**m_bits)``; needs m_bits <= k."""
-        k = self.mantissa_bits
-        return ((e - EXPONENT_MIN) << (k + 1)) + 2 * (m_top << (k - m_bits))
+        return bin_id(e, m_top << (self.mantissa_bits - m_bits), 0, self.mantissa_bits)
 
     def _check(self, thr: CastThresholds, fmt: FloatFormat) -> None:
         if thr.m_bits > self.mantissa_bits:
@@ -323,7 +220,7 @@ class AbsHistogram:
         fr, ex = math.frexp(v)
         f = (2.0 * fr - 1.0) * 2.0**self.mantissa_bits
         m = int(f)
-        return ((ex - 1 - EXPONENT_MIN) << (self.mantissa_bits + 1)) + 2 * m + (f != m)
+        return bin_id(ex - 1, m, int(f != m), self.mantissa_bits)
 
     def _bin_counted(self, bin_id: int, threshold: float, inclusive: bool, s32: np.float32) -> int:
         """For one bin: 1 if every value v in it has ``p = float32(v * s) > threshold`` (``>=``
@@ -471,7 +368,10 @@ def _pow2_exponent(scale: float) -> int | None:
 
 
 def abs_histogram(x: Any, mantissa_bits: int = DEFAULT_HIST_MANTISSA_BITS) -> AbsHistogram:
-    """The trace histogram of a numpy array or torch tensor (one numba pass)."""
+    """The trace histogram of a numpy array or torch tensor (one pass, on the tensor's device:
+    :func:`fp8sim.trace.statistics.histogram_and_counts`)."""
+    from fp8sim.trace.statistics import histogram_and_counts
+
     check_mantissa_bits(mantissa_bits)
     r = histogram_and_counts(x, get_format("e4m3"), 1.0, "rne", mantissa_bits)
     return AbsHistogram(r.bins, r.counts, mantissa_bits, zero=r.zero, nan=r.nan, inf=r.inf)

@@ -25,8 +25,8 @@ from fp8sim.trace.histogram import (
     EXPONENT_MAX,
     EXPONENT_MIN,
     check_mantissa_bits,
-    histogram_and_counts,
 )
+from fp8sim.trace.statistics import histogram_and_counts
 from fp8sim.trace.layout import (
     CHUNK_DIR,
     COLUMN_DTYPES,
