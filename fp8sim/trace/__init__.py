@@ -5,6 +5,8 @@ Import everything from here (``from fp8sim.trace import TraceReader``). The modu
 
 - :mod:`fp8sim.trace.layout`: the directory layout, file names, chunk columns, :func:`is_trace`;
 - :mod:`fp8sim.trace.histogram`: the |x| histograms and why their over/underflow counts are exact;
+- :mod:`fp8sim.trace.statistics`: one pass over a tensor for its record, on the tensor's device;
+- :mod:`fp8sim.trace.background`: :class:`BackgroundWriter`, a trace writer on its own thread;
 - :mod:`fp8sim.trace.writer`: :class:`TraceWriter` (atomic writes; whole steps per chunk);
 - :mod:`fp8sim.trace.reader`: :class:`TraceReader`, :class:`TensorInfo`, :class:`TraceRecord`;
 - :mod:`fp8sim.trace.checks`: the consistency checks the reader runs on untrusted files;
@@ -18,10 +20,10 @@ from fp8sim.trace.histogram import (
     EXPONENT_MIN,
     AbsHistogram,
     CastThresholds,
-    abs_histogram,
     cast_thresholds,
 )
 from fp8sim.trace.layout import ROLES, SCALAR_COLUMNS, SCHEMA, VERSION, is_trace
+from fp8sim.trace.statistics import abs_histogram
 from fp8sim.trace.reader import TensorInfo, TraceReader, TraceRecord
 from fp8sim.trace.truncate import truncate_trace
 from fp8sim.trace.writer import TraceWriter

@@ -41,7 +41,6 @@ from fp8sim.formats import FloatFormat, get_format
 __all__ = [
     "AbsHistogram",
     "CastThresholds",
-    "abs_histogram",
     "cast_thresholds",
     "EXPONENT_MIN",
     "EXPONENT_MAX",
@@ -365,16 +364,6 @@ def _pow2_exponent(scale: float) -> int | None:
         return None
     fr, ex = math.frexp(s)
     return ex - 1 if fr == 0.5 else None
-
-
-def abs_histogram(x: Any, mantissa_bits: int = DEFAULT_HIST_MANTISSA_BITS) -> AbsHistogram:
-    """The trace histogram of a numpy array or torch tensor (one pass, on the tensor's device:
-    :func:`fp8sim.trace.statistics.histogram_and_counts`)."""
-    from fp8sim.trace.statistics import histogram_and_counts
-
-    check_mantissa_bits(mantissa_bits)
-    r = histogram_and_counts(x, get_format("e4m3"), 1.0, "rne", mantissa_bits)
-    return AbsHistogram(r.bins, r.counts, mantissa_bits, zero=r.zero, nan=r.nan, inf=r.inf)
 
 
 def check_mantissa_bits(k: int) -> None:

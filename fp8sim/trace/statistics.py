@@ -33,10 +33,19 @@ import numpy as np
 
 from fp8sim._numba.jit import jit_inline, jit_kernel
 from fp8sim.emulator import as_float_array
-from fp8sim.formats import FloatFormat
-from fp8sim.trace.histogram import EXPONENT_MAX, EXPONENT_MIN, bin_id, cast_thresholds, num_bins
+from fp8sim.formats import FloatFormat, get_format
+from fp8sim.trace.histogram import (
+    DEFAULT_HIST_MANTISSA_BITS,
+    EXPONENT_MAX,
+    EXPONENT_MIN,
+    AbsHistogram,
+    bin_id,
+    cast_thresholds,
+    check_mantissa_bits,
+    num_bins,
+)
 
-__all__ = ["HistogramCounts", "histogram_and_counts", "device_statistics", "unpack_statistics",
+__all__ = ["HistogramCounts", "histogram_and_counts", "abs_histogram", "device_statistics", "unpack_statistics",
            "STAT_FIELDS", "ENGINES"]  # fmt: skip
 
 #: the engines; ``auto`` is torch for a tensor on an accelerator, numba for host data
@@ -245,3 +254,11 @@ def histogram_and_counts(
         x = torch.from_numpy(_host_array(x))
     row = device_statistics(x, fmt, scale, rounding, k).cpu().numpy()
     return unpack_statistics(row, x.numel(), k)
+
+
+def abs_histogram(x: Any, mantissa_bits: int = DEFAULT_HIST_MANTISSA_BITS) -> AbsHistogram:
+    """The trace histogram of a numpy array or torch tensor (one pass, on the tensor's device:
+    :func:`histogram_and_counts`)."""
+    check_mantissa_bits(mantissa_bits)
+    r = histogram_and_counts(x, get_format("e4m3"), 1.0, "rne", mantissa_bits)
+    return AbsHistogram(r.bins, r.counts, mantissa_bits, zero=r.zero, nan=r.nan, inf=r.inf)

@@ -26,7 +26,7 @@ from fp8sim.trace.histogram import (
     EXPONENT_MIN,
     check_mantissa_bits,
 )
-from fp8sim.trace.statistics import histogram_and_counts
+from fp8sim.trace.statistics import HistogramCounts, histogram_and_counts
 from fp8sim.trace.layout import (
     CHUNK_DIR,
     COLUMN_DTYPES,
@@ -205,6 +205,28 @@ class TraceWriter:
         (use this when the cast used stochastic rounding).
         """
         self._check_open()
+        scale_f = self._checked_scale(name, step, scale)
+        fmt_obj = get_format(fmt if fmt is not None else self._meta["tensors"][self._tensor_id(name)]["format"])
+        r = histogram_and_counts(x, fmt_obj, scale_f, self.rounding, self.hist_mantissa_bits)
+        self.record_counts(step, name, r, scale=scale_f, amax=amax, fmt=fmt_obj, overflow=overflow,
+                           underflow=underflow)  # fmt: skip
+
+    def record_counts(
+        self,
+        step: int,
+        name: str,
+        r: HistogramCounts,
+        *,
+        scale: float,
+        amax: float | None = None,
+        fmt: str | FloatFormat | None = None,
+        overflow: int | None = None,
+        underflow: int | None = None,
+    ) -> None:
+        """:meth:`record` with the statistics already computed (``r``: the
+        :func:`fp8sim.trace.statistics.histogram_and_counts` of the tensor under ``scale``, this
+        trace's rounding and histogram width), e.g. on the tensor's device."""
+        self._check_open()
         step = int(step)
         if step < 0:  # chunk file names carry steps as unsigned numbers
             raise ValueError(f"step {step} of {name!r}: steps must be >= 0")
@@ -217,16 +239,9 @@ class TraceWriter:
         if self._buf_steps and step < self._buf_steps[-1]:
             raise ValueError(f"step {step} of {name!r} after step {self._buf_steps[-1]}")
         fmt_obj = get_format(fmt if fmt is not None else self._meta["tensors"][tid]["format"])
-        if not (isinstance(scale, (int, float, np.floating)) or np.ndim(scale) == 0):
-            raise TypeError(f"{name!r}: scale must be a scalar (per-tensor scaling)")
-        with np.errstate(over="ignore"):
-            scale_f = float(np.float32(float(scale)))
-        if not (0 < scale_f < np.inf):  # replay rebuilds the cast from it: a usable scale only
-            raise ValueError(f"{name!r} step {step}: scale must be finite and > 0 as a float32, "
-                             f"got {scale}")  # fmt: skip
+        scale_f = self._checked_scale(name, step, scale)
         if amax is not None and float(amax) < 0:  # NaN and inf are what a policy may see
             raise ValueError(f"{name!r} step {step}: amax must be >= 0 (or NaN/inf), got {amax}")
-        r = histogram_and_counts(x, fmt_obj, scale_f, self.rounding, self.hist_mantissa_bits)
         if not self._buf_steps or self._buf_steps[-1] != step:
             self._complete_steps_ready()  # the previous step is now complete
             self._buf_steps.append(step)
@@ -240,6 +255,19 @@ class TraceWriter:
                 bins=r.bins, counts=r.counts,
             )
         )  # fmt: skip
+
+    @staticmethod
+    def _checked_scale(name: str, step: int, scale: Any) -> float:
+        """``scale`` as a float32 value, ValueError unless finite and > 0 (replay rebuilds the
+        cast from it: a usable scale only)."""
+        if not (isinstance(scale, (int, float, np.floating)) or np.ndim(scale) == 0):
+            raise TypeError(f"{name!r}: scale must be a scalar (per-tensor scaling)")
+        with np.errstate(over="ignore"):
+            scale_f = float(np.float32(float(scale)))
+        if not (0 < scale_f < np.inf):
+            raise ValueError(f"{name!r} step {step}: scale must be finite and > 0 as a float32, "
+                             f"got {scale}")  # fmt: skip
+        return scale_f
 
     def _complete_steps_ready(self) -> None:
         # called when a new step starts: every buffered step is complete

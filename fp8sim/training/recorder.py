@@ -12,33 +12,62 @@ Two sources, one trace format:
   recipe's policies (default ``te-delayed``) to give the scale each tensor *would* have been
   cast with.
 
-Per step and tensor the trace keeps amax, scale, overflow/underflow counts and the |x| histogram
-(computed by :meth:`fp8sim.trace.TraceWriter.record`); with ``save_every=K`` also the full tensors
-at steps 1, K+1, 2K+1, ...
+Per recorded step and tensor the trace keeps amax, scale, overflow/underflow counts and the |x|
+histogram. They are computed where the tensor lives (:mod:`fp8sim.trace.statistics`: numba for a
+host tensor, torch ops on an accelerator, where a small int64 result per tensor stays until the
+step is complete and one non-blocking copy brings the step's results over); a background thread
+writes whole steps (:mod:`fp8sim.trace.background`), so the loop never waits on the disk.
+
+Sampling and selection: ``every=N`` records steps 1, N+1, 2N+1, ... (Transformer Engine debug's
+``freq``); ``save_every=K`` saves the full tensors at steps 1, K+1, ... (a step whose tensors are
+saved is recorded too); ``roles`` and ``layers`` pick what is recorded (a layer not picked gets
+no hook). Between recorded steps a hypothetical policy that keeps a history (``delayed``,
+``msamp``, ...) still observes each tensor's amax -- one amax pass per tensor -- so its scales at
+a recorded step are those of the full run.
 
 Steps: a trainer calls :meth:`Recorder.begin_step` / :meth:`Recorder.end_step`. In a user's own
 loop without those calls, every forward of the root module with autograd enabled in training mode
 starts a new step (1, 2, ...). Forwards without autograd or in eval mode, and their backward, are
 not recorded; a forward that activation checkpointing recomputes is recorded once.
+
+Where the distributed hooks go (not done here): a sharded tensor's statistics are reduced over
+its process group in :meth:`Recorder._statistics`, before they leave the device --
+:func:`~fp8sim.trace.statistics.device_statistics`' histogram and counts by SUM, its amax (the
+float64 bits in the last field: reduce the float) by MAX; a MoE expert's token count is the
+``numel`` of its activation record (:meth:`StepBatch.add`), an idle expert's record one of 0
+elements.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
 
+from fp8sim.errors import ArgumentError
+from fp8sim.formats import get_format
 from fp8sim.trace import TraceReader, TraceWriter
+from fp8sim.trace.background import BackgroundWriter
+from fp8sim.trace.statistics import device_statistics, histogram_and_counts
 from fp8sim.training.convert import fp8_linears, get_fp8_state
 from fp8sim.training.fp8_linear import is_hf_conv1d
-from fp8sim.training.fp8_state import Fp8Operand
-from fp8sim.recipes import CastConfig, get_recipe
+from fp8sim.training.recipes import CastConfig, get_recipe
+from fp8sim.training.record_batch import StepBatch, seen_amax
+from fp8sim.training.record_options import (
+    RECORDED_ROLES,
+    LayerFilter,
+    check_interval,
+    check_roles,
+    check_same_run,
+    select_layers,
+)
 
-__all__ = ["Recorder", "record"]
-
+__all__ = ["Recorder", "record", "RECORDED_ROLES"]
 
 class Recorder:
     """Writes one trace for one model; see the module docstring. Use :func:`record` to make one."""
@@ -49,31 +78,44 @@ class Recorder:
         path: str | os.PathLike,
         *,
         recipe: str = "te-delayed",
+        every: int = 1,
         save_every: int = 0,
+        roles: str | Iterable[str] | None = None,
+        layers: LayerFilter | None = None,
         chunk_steps: int = 50,
         config: dict | None = None,
         append: bool = False,
     ) -> None:
-        if save_every < 0:
-            raise ValueError(f"save_every must be >= 0, got {save_every}")
+        self.every = check_interval("every", every, 1)
+        self.save_every = check_interval("save_every", save_every, 0)
+        self.roles = check_roles(roles)
+        check_interval("chunk_steps", chunk_steps, 1)
         self.model = model
         self.path = Path(path)
-        self.save_every = save_every
         self.state = get_fp8_state(model)
         if self.state is not None:
             casts = dict(self.state.casts)
             recipe_name = getattr(self.state.recipe, "name", None) or "fp8-model"
+            candidates = [(m.name, m) for m in fp8_linears(model)]
         else:
-            linear = get_recipe(recipe).linear
+            try:
+                linear = get_recipe(recipe).linear
+            except ValueError as exc:
+                raise ArgumentError.about("recipe", f": {exc}") from None
             if linear is None:
-                raise ValueError(f"record: recipe {recipe!r} casts nothing; pick an FP8 recipe for the hypothetical casts")
+                raise ArgumentError.about("recipe", f" {recipe!r} casts nothing; pick an FP8 recipe for the "
+                                                    "hypothetical casts")  # fmt: skip
             casts = linear.casts()
             recipe_name = recipe
+            candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)]
+        self.layers = select_layers(layers, candidates)
+        self._layer_names = {n for n, _ in self.layers}
         # the weight gradient is not cast by TE recipes: record it against the gradient format
         if "weight_grad" not in casts:
             casts["weight_grad"] = CastConfig(casts["grad_output"].fmt, casts["grad_output"].scaling)
         self.casts = casts
-        from fp8sim.quantizer import Quantizer
+        self._fmts = {r: get_format(c.fmt) for r, c in casts.items()}
+        from fp8sim.policies import parse_policy
 
         # quantizers for the tensors the model does not cast itself (their scales are what-ifs)
         own_roles = [r for r in casts if self.state is None or r not in self.state.casts]
@@ -84,13 +126,21 @@ class Recorder:
             "casts": {r: {"format": c.fmt.name, "policy": c.policy, "granularity": c.granularity.spec,
                           "rounding": c.rounding.value} for r, c in casts.items()},
             "hypothetical_recipe": None if self.state is not None else recipe_name,
+            "sampling": {"every": self.every, "save_every": self.save_every, "roles": list(self.roles),
+                         "layers": sorted(self._layer_names) if layers is not None else None},
         }
         meta.update(config or {})
         if append:
-            _check_same_run(self.path, meta)
-        self.writer = TraceWriter(self.path, meta, mode="a" if append else "w", chunk_steps=chunk_steps)
+            check_same_run(self.path, meta)
+        writer = TraceWriter(self.path, meta, mode="a" if append else "w", chunk_steps=chunk_steps)
+        self._rounding, self._hist_bits = writer.rounding, writer.hist_mantissa_bits
+        self._bg = BackgroundWriter(writer)
         self.step = 0
         self._explicit = False
+        self._due = self._save = False  # whether the current step is recorded / its tensors saved
+        self._batch: StepBatch | None = None
+        # amaxes a history-keeping policy has yet to observe: (policy, name, fmt, 0-d device tensor)
+        self._deferred: list[tuple[Any, str, Any, torch.Tensor]] = []
         # whether the root's last forward was a training forward with autograd: only those (and
         # their backward) are recorded; an eval-mode or no-grad forward records nothing
         self._training_forward = False
@@ -98,22 +148,24 @@ class Recorder:
         self._declared: set[str] = {t.name for t in TraceReader(self.path).tensors} if append else set()
         self._handles: list[Any] = []
         self._install()
+        ref = weakref.ref(self)  # a script that never closes its recorder still gets its trace
+        self._atexit = lambda: (ref() is not None) and ref().close()
+        atexit.register(self._atexit)
 
     # -- hooks ------------------------------------------------------------------------------
     def _install(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward))
         if self.state is not None:
             self.state.taps.append(self._on_cast)
-            layers = [(m.name, m) for m in fp8_linears(self.model)]
         else:
-            layers = [(n, m) for n, m in self.model.named_modules()
-                      if isinstance(m, nn.Linear) or is_hf_conv1d(m)]  # fmt: skip
-            for name, mod in layers:
-                self._handles.append(mod.register_forward_pre_hook(self._make_forward_hook(name)))
-                self._handles.append(mod.register_forward_hook(self._make_output_hook(name)))
-        if self.state is None or "weight_grad" not in self.state.casts:
+            for name, mod in self.layers:
+                if "activation" in self.roles or "weight" in self.roles:
+                    self._handles.append(mod.register_forward_pre_hook(self._make_forward_hook(name)))
+                if "grad_output" in self.roles:
+                    self._handles.append(mod.register_forward_hook(self._make_output_hook(name)))
+        if "weight_grad" in self.roles and (self.state is None or "weight_grad" not in self.state.casts):
             seen: set[int] = set()
-            for name, mod in layers:
+            for name, mod in self.layers:
                 if id(mod.weight) in seen:  # a tied weight is recorded once
                     continue
                 seen.add(id(mod.weight))
@@ -126,7 +178,7 @@ class Recorder:
             return  # activation checkpointing recomputing a forward inside backward
         self._training_forward = torch.is_grad_enabled() and module.training
         if not self._explicit and self._training_forward:
-            self.step += 1
+            self._start_step(self.step + 1)
 
     def _make_forward_hook(self, name: str):
         def hook(module: nn.Linear, args) -> None:
@@ -134,12 +186,14 @@ class Recorder:
                 return
             if torch._C._current_graph_task_id() != -1:
                 return  # a checkpointed forward recomputed in backward: recorded the first time
-            x = args[0].detach()
-            self._record_hypothetical(f"{name}.input", "activation", x.reshape(-1, x.shape[-1]))
-            w = module.weight.detach()
-            # HF Conv1D stores W^T (in, out): recorded as W (out, in), as nn.Linear's and as the
-            # FP8 model casts it
-            self._record_hypothetical(f"{name}.weight", "weight", w.t() if is_hf_conv1d(module) else w)
+            if "activation" in self.roles:
+                x = args[0].detach()
+                self._record_hypothetical(f"{name}.input", "activation", x.reshape(-1, x.shape[-1]))
+            if "weight" in self.roles:
+                w = module.weight.detach()
+                # HF Conv1D stores W^T (in, out): recorded as W (out, in), as nn.Linear's and as
+                # the FP8 model casts it
+                self._record_hypothetical(f"{name}.weight", "weight", w.t() if is_hf_conv1d(module) else w)
 
         return hook
 
@@ -168,112 +222,151 @@ class Recorder:
         return hook
 
     # -- recording --------------------------------------------------------------------------
-    def _declare(self, name: str, role: str, fmt: str, shape) -> None:
-        # declared once, with the first shape seen (a user's last batch may be smaller)
-        if name not in self._declared:
-            self.writer.add_tensor(name, role, fmt, tuple(shape))
-            self._declared.add(name)
+    def _statistics(self, x: torch.Tensor, fmt, scale: float):
+        """``x``'s statistics where it lives: host statistics for a CPU tensor (numba), a small
+        int64 device tensor otherwise (:func:`~fp8sim.trace.statistics.device_statistics`)."""
+        if x.device.type == "cpu":
+            return histogram_and_counts(x, fmt, scale, self._rounding, self._hist_bits)
+        return device_statistics(x, fmt, scale, self._rounding, self._hist_bits)
 
-    def _save_due(self) -> bool:
-        return self.save_every > 0 and (self.step - 1) % self.save_every == 0
+    def _add(self, name: str, role: str, fmt, x: torch.Tensor, scale: float, stats, **measured):
+        if name not in self._declared:  # declared once, with the first shape seen
+            self._batch.declare.append((name, role, fmt.name, tuple(x.shape)))
+            self._declared.add(name)
+        return self._batch.add(name, role, fmt, x, scale, stats, save=self._save, **measured)
+
+    def _resolve_deferred(self, name: str | None = None) -> None:
+        """Let the policies observe the deferred amaxes (all of them, in order, in one copy),
+        if ``name`` has one pending (None: in any case)."""
+        if not self._deferred or (name is not None and all(d[1] != name for d in self._deferred)):
+            return
+        values = torch.stack([d[3].to(torch.float32) for d in self._deferred]).cpu().tolist()
+        for (policy, n, fmt, _), amax in zip(self._deferred, values):
+            policy.observe(n, amax, fmt)
+        self._deferred.clear()
+
+    def _observe(self, policy, name: str, fmt, amax: float | torch.Tensor) -> None:
+        if isinstance(amax, torch.Tensor):  # on an accelerator: observed when next needed
+            self._deferred.append((policy, name, fmt, amax))
+        else:
+            policy.observe(name, amax, fmt)
 
     def _record_hypothetical(self, name: str, role: str, x: torch.Tensor) -> None:
         """A tensor the model does not cast: the recorder's policy gives the scale it would get."""
-        q = self.quantizers[role]
-        amax = float(x.float().abs().amax()) if x.numel() else 0.0
-        scale = q.scale_for(name, amax)
-        q.observe(name, amax)
-        self._write(name, role, x, q.fmt, scale, amax)
+        from fp8sim.backends.base import amax_f32
 
-    def _on_cast(self, name: str, role: str, x: torch.Tensor, cast: CastConfig, scale, op: Fp8Operand) -> None:
-        """Tap of an FP8 model: the live cast, with the scale it used (the model calls it only
-        for observed casts: training forwards with autograd, each once)."""
-        if self.step < 1:
+        fmt, policy = self._fmts[role], self.policies[role]
+        on_host = x.device.type == "cpu"
+        if not self._due:  # between recorded steps only a history needs the amax
+            if not policy.just_in_time:
+                self._resolve_deferred(name)
+                a = amax_f32(x)
+                self._observe(policy, name, fmt, float(a) if on_host else a)
             return
-        amax = float(x.float().abs().amax()) if x.numel() else 0.0
-        if op.granularity.kind == "tensor":
-            self._write(name, role, x, op.fmt, float(scale), amax)
-        else:  # MX: block scales; the record keeps scale 1 and the measured counts
-            mag = op.codes & (op.fmt.sign_mask - 1)
-            under = int(((mag == 0) & (x != 0)).sum())
-            self._write(name, role, x, op.fmt, 1.0, amax, overflow=0, underflow=under)
+        self._resolve_deferred(name)
+        if policy.just_in_time:  # the scale needs this tensor's amax first (a sync on a device)
+            amax = float(amax_f32(x))
+            scale = float(policy.scale_for(name, fmt, current_amax=amax))
+        else:  # the scale is known: the amax comes out of the statistics pass
+            amax, scale = None, float(policy.scale_for(name, fmt))
+        stats = self._statistics(x, fmt, scale)
+        self._add(name, role, fmt, x, scale, stats)
+        if amax is None:
+            amax = seen_amax(stats, x.dtype) if on_host else amax_f32(x)
+        self._observe(policy, name, fmt, amax)
 
-    def _write(self, name, role, x, fmt, scale, amax, **counts) -> None:
-        self._declare(name, role, fmt.name, x.shape)
-        self.writer.record(self.step, name, x, scale=scale, amax=amax, fmt=fmt, **counts)
-        if self._save_due():
-            self.writer.save_tensor(self.step, name, x)
+    def _on_cast(self, name: str, role: str, x: torch.Tensor, cast: CastConfig, scale, op) -> None:
+        """Tap of an FP8 model (the one place that knows the tap's signature): the live cast,
+        with the scale it used (the model calls it only for observed casts: training forwards
+        with autograd, each once)."""
+        if not self._due or role not in self.roles or name.rsplit(".", 1)[0] not in self._layer_names:
+            return
+        if op.granularity == "tensor":
+            self._add(name, role, op.fmt, x, float(scale), self._statistics(x, op.fmt, float(scale)))
+        else:  # block scales: the record keeps scale 1 and the measured underflow
+            mag = op.codes & (op.fmt.sign_mask - 1)
+            under = ((mag == 0) & (x != 0)).sum()
+            self._add(name, role, op.fmt, x, 1.0, self._statistics(x, op.fmt, 1.0), overflow=0,
+                      underflow=int(under) if x.device.type == "cpu" else under)  # fmt: skip
 
     # -- steps and lifetime -----------------------------------------------------------------
+    def _start_step(self, step: int) -> None:
+        self._finish_step()
+        self.step = step
+        self._save = self.save_every > 0 and (step - 1) % self.save_every == 0
+        self._due = self._save or (step - 1) % self.every == 0
+        if self._due:
+            self._batch = StepBatch(step)
+
+    def _finish_step(self) -> None:
+        """Hand the current step's records to the background writer."""
+        batch, self._batch = self._batch, None
+        if batch is not None and (batch.records or batch.declare):
+            batch.finish()
+            self._bg.submit(batch.write)
+
     def begin_step(self, step: int) -> None:
-        """Start recording training step ``step`` (1-based, increasing)."""
+        """Start training step ``step`` (1-based, increasing); recorded if due (``every``,
+        ``save_every``)."""
         self._explicit = True
-        self.step = int(step)
+        self._start_step(int(step))
 
     def end_step(self, step: int) -> None:
-        """The step's backward is done (weight gradients are recorded by then)."""
+        """The step's backward is done (weight gradients are recorded by then): its records go
+        to the background writer."""
+        self._finish_step()
 
     def state_dict(self) -> dict:
         """The recorder's own policies (hypothetical casts), for checkpoints."""
-        return {"step": self.step, "policies": {r: q.state_dict() for r, q in self.quantizers.items()}}
+        self._resolve_deferred()
+        return {"step": self.step, "policies": {r: p.state_dict() for r, p in self.policies.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         self.step = int(d["step"])
+        self._deferred.clear()
         for role, sd in d["policies"].items():
             if role in self.quantizers:
                 self.quantizers[role].load_state_dict(sd)
 
     def flush(self) -> None:
-        self.writer.flush()
+        """Write every step recorded so far (the current one as it stands) and wait for it."""
+        self._finish_step()
+        self._bg.flush()
 
     def discard_after(self, step: int) -> None:
         """Forget the unwritten records of steps after ``step`` (a step an interruption cut
         short: the trace keeps only whole steps)."""
-        self.writer.discard_after(step)
+        self._drop_batch_after(step)
+        self._bg.call(lambda w: w.discard_after(step))
 
     def truncate_after(self, step: int) -> None:
         """Drop what the trace holds of steps after ``step`` (resuming from that checkpoint)."""
-        self.writer.truncate_after(step)
+        self._drop_batch_after(step)
+        self._bg.call(lambda w: w.truncate_after(step))
+
+    def _drop_batch_after(self, step: int) -> None:
+        if self._batch is not None and self._batch.step > step:
+            self._declared -= {d[0] for d in self._batch.declare}  # never written: declared again
+            self._batch = None
 
     def close(self) -> None:
-        """Remove every hook and tap, flush and close the trace."""
+        """Remove every hook and tap, write what was recorded and close the trace."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
         if self.state is not None and self._on_cast in self.state.taps:
             self.state.taps.remove(self._on_cast)
-        self.writer.close()
+        atexit.unregister(self._atexit)
+        try:
+            self._finish_step()
+        finally:
+            self._bg.close()
 
     def __enter__(self) -> "Recorder":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_same_run(path: Path, meta: dict) -> None:
-    """Refuse to append to (and so cut back) a trace that another run recorded: the run config,
-    run directory (as a real path), rank and world stored in its trace.json must be this run's
-    where both say."""
-    import json
-
-    from fp8sim.input_files import read_json
-    from fp8sim.trace import layout
-
-    try:
-        old = read_json(path / "trace.json", layout.MAX_TRACE_JSON_BYTES, what="trace.json").get("config", {})
-    except (OSError, ValueError, AttributeError):
-        return  # no trace yet (or not ours to judge: the writer refuses a damaged one)
-    same = {
-        "run": lambda a, b: a == json.loads(json.dumps(b)),
-        "run_dir": lambda a, b: os.path.realpath(str(a)) == os.path.realpath(str(b)),
-        "rank": lambda a, b: a == b,
-        "world": lambda a, b: a == b,
-    }
-    for key, eq in same.items():
-        if isinstance(old, dict) and key in old and key in meta and not eq(old[key], meta[key]):
-            raise ValueError(f"--record {path}: holds the trace of another run (its {key} differs: "
-                             f"{str(old[key])[:80]}); a resumed run appends only to its own trace")  # fmt: skip
 
 
 def record(model: nn.Module, path: str | os.PathLike, **kwargs) -> Recorder:
@@ -287,7 +380,19 @@ def record(model: nn.Module, path: str | os.PathLike, **kwargs) -> Recorder:
             for x, y in loader:
                 loss = loss_fn(model(x), y); opt.zero_grad(); loss.backward(); opt.step()
 
-    Keyword arguments: ``recipe``, ``save_every`` (full tensors every K steps, 0: never),
-    ``chunk_steps``, ``config`` (extra JSON-able run config), ``append`` (continue a trace).
+    Keyword arguments:
+
+    - ``recipe``: the policies of a plain model's hypothetical casts (default ``te-delayed``);
+    - ``every``: record steps 1, N+1, 2N+1, ... (default 1: every step);
+    - ``save_every``: also save the full tensors at steps 1, K+1, ... (0: never), on their own
+      schedule (a step whose tensors are saved is recorded too);
+    - ``roles``: the roles to record, names of :data:`RECORDED_ROLES` (a list, or one
+      comma-separated string; default all);
+    - ``layers``: the layers to record: glob patterns on their names (``"layers.*.mlp.*"``) or a
+      function ``(name, module) -> bool``; a pattern that matches no layer is an error;
+    - ``chunk_steps`` (recorded steps per chunk file), ``config`` (extra JSON-able run config),
+      ``append`` (continue a trace).
+
+    Raises :class:`~fp8sim.errors.ArgumentError` naming a bad argument.
     """
     return Recorder(model, path, **kwargs)
