@@ -204,32 +204,48 @@ def analyze(
     ``keep_going``: a bad file or tensor is listed in ``result.errors`` instead of raising.
     ``chunk``: elements read at a time (bounds memory). ``progress``: a bar on stderr.
     """
+    from fp8sim.analysis.run_traces import merged_runs
+
+    variants, rules, th, block = _checked_options(
+        formats, scalings, margin, pow2, fail_on, underflow_warning, underflow_critical,
+        fp8_scales, fp8_block, chunk)  # fmt: skip
+    with merged_runs(inputs) as (inputs, shown, run_notes):
+        return _analyze_opened(inputs, shown, run_notes, variants, rules, th, block, fp8_scales, keep_going,
+                               chunk, progress)  # fmt: skip
+
+
+def _analyze_opened(inputs, shown, run_notes, variants, rules, th, block, fp8_scales, keep_going, chunk,
+                    progress) -> AnalysisResult:  # fmt: skip
+    """:func:`analyze` once its options are checked and run directories merged (``shown``: a
+    merged trace's path -> the run directory shown for it)."""
     from fp8sim.analysis.dumps import FLOAT_DTYPES, link_fp8_scales
     from fp8sim.analysis.report import classify, escape_cell, failures, sort_worst_first
     from fp8sim.analysis.stats import tensor_stats
     from fp8sim.analysis.trace_summary import summarize_trace
     from fp8sim.analysis.verdict import layer_verdicts
 
-    variants, rules, th, block = _checked_options(
-        formats, scalings, margin, pow2, fail_on, underflow_warning, underflow_critical,
-        fp8_scales, fp8_block, chunk)  # fmt: skip
     errors: list[dict] = []
 
     def bad(path: str, exc: Exception, name: str | None = None) -> None:
         """``path`` is bad, or (``name``) one tensor of it is: raised, or listed (keep_going)."""
+        path = shown.get(path, path)
         reason = _one_line(str(exc)) or type(exc).__name__
-        shown = _one_line(path)  # a newline in a file name is written \n
+        shown_path = _one_line(path)  # a newline in a file name is written \n
         if name is not None:  # the reason names the file, then the tensor
-            rest = reason[len(shown) + 1:].strip() if reason.startswith(f"{shown}:") else reason
+            rest = reason[len(shown_path) + 1:].strip() if reason.startswith(f"{shown_path}:") else reason
             nm = escape_cell(name)
-            reason = f"{shown}: {rest if rest.startswith(f'cannot read {nm}: ') else f'{nm}: {rest}'}"
-        elif not reason.startswith(shown):
-            reason = f"{shown}: {reason}"
+            reason = f"{shown_path}: {rest if rest.startswith(f'cannot read {nm}: ') else f'{nm}: {rest}'}"
+        elif not reason.startswith(shown_path):
+            reason = f"{shown_path}: {reason}"
         if not keep_going:
             raise ValueError(reason)
         errors.append({"file": path, "name": name, "reason": reason})
 
     dumps, files, notes = _open_inputs(inputs, bad, errors)
+    for d in dumps:  # a merged run is shown as the run directory given
+        d.path = shown.get(d.path, d.path)
+    files = [shown.get(f, f) for f in files]
+    notes = run_notes + notes
     notes += link_fp8_scales(dumps, fp8_scales, block, bad)
     total = 2 * sum(t.numel for d in dumps for t in d.tensors if t.is_float)
     records: list[dict] = []
@@ -343,9 +359,8 @@ def replay(
     rules such as ``"overflow>0,underflow>1%,events>2"`` checked per policy x tensor x step
     (``result.crossings``). ``progress``: a bar on stderr.
     """
-    from fp8sim.analysis.policy_replay import replay_policies
     from fp8sim.analysis.report import REPLAY_FAIL_METRICS, parse_fail_on
-    from fp8sim.scaling_config import parse_scaling, scaling_spec
+    from fp8sim.analysis.run_traces import merged_runs
     from fp8sim.trace import TraceReader, is_trace
 
     try:
@@ -356,15 +371,23 @@ def replay(
     if not specs:
         raise ArgumentError.about("policies", ": give one policy spec or more (e.g. 'current')")
     if isinstance(trace, TraceReader):
-        reader, shown = trace, str(trace.path)
-    else:
-        shown = os.fspath(trace)
-        if not os.path.exists(shown):
-            raise ValueError(f"{shown}: no such directory")
-        if not os.path.isdir(shown) or not is_trace(shown):
+        return _replay_reader(trace, str(trace.path), specs, include_recorded, rules, progress)
+    shown = os.fspath(trace)
+    if not os.path.exists(shown):
+        raise ValueError(f"{shown}: no such directory")
+    with merged_runs(shown) as (path, _, _):
+        if not os.path.isdir(path) or not is_trace(path):
             raise ValueError(f"{shown}: not an fp8sim trace directory (no trace.json of the "
-                             "fp8sim-trace schema)")  # fmt: skip
-        reader = TraceReader(shown)
+                             "fp8sim-trace schema, nor rank0/, rank1/, ... traces of a run)")  # fmt: skip
+        return _replay_reader(TraceReader(path), shown, specs, include_recorded, rules, progress)
+
+
+def _replay_reader(reader, shown: str, specs: list, include_recorded: bool, rules: list,
+                   progress: bool) -> ReplayResult:  # fmt: skip
+    """:func:`replay` over an open trace (``shown``: the path given for it)."""
+    from fp8sim.analysis.policy_replay import replay_policies
+    from fp8sim.policies import parse_policy
+
     n_records = int(reader.scalars()["step"].size)
     # one per policy, however often it is spelled (replay_policies replays it once)
     n_pol = len({scaling_spec(*parse_scaling(p)) for p in specs}) + (1 if include_recorded else 0)

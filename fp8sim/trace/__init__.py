@@ -10,7 +10,8 @@ Import everything from here (``from fp8sim.trace import TraceReader``). The modu
 - :mod:`fp8sim.trace.writer`: :class:`TraceWriter` (atomic writes; whole steps per chunk);
 - :mod:`fp8sim.trace.reader`: :class:`TraceReader`, :class:`TensorInfo`, :class:`TraceRecord`;
 - :mod:`fp8sim.trace.checks`: the consistency checks the reader runs on untrusted files;
-- :mod:`fp8sim.trace.truncate`: cutting a trace back to a step (a resumed run).
+- :mod:`fp8sim.trace.truncate`: cutting a trace back to a step (a resumed run);
+- :mod:`fp8sim.trace.merge`: one trace per run, the rank traces merged by placement.
 """
 
 from fp8sim.trace.histogram import (
@@ -26,6 +27,7 @@ from fp8sim.trace.layout import ROLES, SCALAR_COLUMNS, SCHEMA, VERSION, is_trace
 from fp8sim.trace.statistics import abs_histogram
 from fp8sim.trace.reader import TensorInfo, TraceReader, TraceRecord
 from fp8sim.trace.truncate import truncate_trace
+from fp8sim.trace.merge import merge_rank_traces, rank_trace_dirs, read_rank_scales
 from fp8sim.trace.writer import TraceWriter
 
 __all__ = [
@@ -34,6 +36,9 @@ __all__ = [
     "TensorInfo",
     "TraceRecord",
     "truncate_trace",
+    "merge_rank_traces",
+    "rank_trace_dirs",
+    "read_rank_scales",
     "is_trace",
     "AbsHistogram",
     "CastThresholds",

@@ -150,15 +150,22 @@ class TraceWriter:
 
     # -- catalogue ---------------------------------------------------------------------------
     def add_tensor(
-        self, name: str, role: str, fmt: str | FloatFormat, shape: Sequence[int]
+        self, name: str, role: str, fmt: str | FloatFormat, shape: Sequence[int], *,
+        placement: str | None = None,
     ) -> None:
-        """Declare a tensor. Re-declaring it with the same role/format/shape is a no-op."""
+        """Declare a tensor. Re-declaring it with the same role/format/shape is a no-op.
+        ``placement`` (``partitioned`` or ``replicated`` over the ranks of a run; default by role):
+        how :mod:`fp8sim.trace.merge` combines the ranks' records."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor name must be a non-empty string, got {name!r}")
         if role not in ROLES:
             raise ValueError(f"tensor {name!r}: role must be one of {ROLES}, got {role!r}")
         fmt_name = get_format(fmt).name
         entry = {"name": name, "role": role, "format": fmt_name, "shape": [int(s) for s in shape]}
+        if placement is not None:
+            if placement not in ("partitioned", "replicated"):
+                raise ValueError(f"tensor {name!r}: placement must be partitioned or replicated, got {placement!r}")
+            entry["placement"] = placement
         if name in self._index:
             old = self._meta["tensors"][self._index[name]]
             if old != entry:
