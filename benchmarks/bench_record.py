@@ -1,7 +1,8 @@
 """Step overhead of ``fp8sim.training.record()``: the same training step with and without it.
 
-Two models, each in three copies of the same initial weights -- not recorded, recorded with
-``every=1``, recorded with ``every=10``:
+Two models, each in four copies of the same initial weights -- not recorded, recorded with
+``every=1``, with ``every=10``, and with ``every=10, observe_every_step=False`` (a plain model's
+delayed policy then observes the recorded steps only; an FP8 model's own policies are unaffected):
 
 * ``linear``: two ``nn.Linear(width, width)`` layers with a GELU between (a model that is *not*
   converted, as a user instruments a bf16/fp32 run: the recorder runs ``te-delayed``'s policies
@@ -88,10 +89,11 @@ def _step_fn(kind: str, model: nn.Module, args):
 
 def bench(kind: str, args, tmp: str) -> dict:
     make = (lambda: linear_model(args.width)) if kind == "linear" else (lambda: llama_model(args.width, 2))
-    models = _copies(make, 3)
-    names = ["plain", "every=1", "every=10"]
+    models = _copies(make, 4)
+    names = ["plain", "every=1", "every=10", "every=10,observe_every_step=False"]
     recs = [None, record(models[1], os.path.join(tmp, f"{kind}-1"), every=1, chunk_steps=50),
-            record(models[2], os.path.join(tmp, f"{kind}-10"), every=10, chunk_steps=50)]
+            record(models[2], os.path.join(tmp, f"{kind}-10"), every=10, chunk_steps=50),
+            record(models[3], os.path.join(tmp, f"{kind}-10s"), every=10, chunk_steps=50, observe_every_step=False)]
     steps = [_step_fn(kind, m, args) for m in models]
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.warmup + args.rounds):

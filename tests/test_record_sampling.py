@@ -57,6 +57,15 @@ def test_every_n_records_the_full_runs_steps_exactly(tmp_path):
     assert len(set(s["scale"].tolist())) > 2  # the scales do move, so the check above has teeth
 
 
+def test_steps_between_can_be_left_unobserved(tmp_path):
+    every = _run(tmp_path, "every3", every=3, observe_every_step=False)
+    one = _run(tmp_path, "one", steps=3)
+    # step 4's delayed scale comes from step 1's amax alone: fmax / amax(step 1)
+    s = every.scalars("0.input")
+    assert s["scale"][1] == np.float32(448) / np.float32(s["amax"][0])
+    assert s["scale"][1] != one.scalars("0.input")["scale"][2]  # what the full history gives at step 3
+
+
 def test_full_tensors_have_their_own_schedule(tmp_path):
     tr = _run(tmp_path, "t", every=3, save_every=2)
     assert tr.steps().tolist() == [1, 3, 4, 5, 7]  # recorded: every 3rd, and every saved step
@@ -76,6 +85,7 @@ def test_roles_and_layers_pick_what_is_recorded(tmp_path):
     ({"save_every": -1}, "save_every"), ({"roles": ["weights"]}, "roles"), ({"roles": []}, "roles"),
     ({"layers": "blocks.*"}, "layers"), ({"layers": 3}, "layers"), ({"layers": lambda n, m: False}, "layers"),
     ({"recipe": "nope"}, "recipe"), ({"chunk_steps": 0}, "chunk_steps"),
+    ({"observe_every_step": 1}, "observe_every_step"),
 ])
 def test_bad_arguments_are_named(tmp_path, kw, named):
     with pytest.raises(ArgumentError) as e:

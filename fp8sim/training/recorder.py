@@ -23,7 +23,8 @@ Sampling and selection: ``every=N`` records steps 1, N+1, 2N+1, ... (Transformer
 saved is recorded too); ``roles`` and ``layers`` pick what is recorded (a layer not picked gets
 no hook). Between recorded steps a hypothetical policy that keeps a history (``delayed``,
 ``msamp``, ...) still observes each tensor's amax -- one amax pass per tensor -- so its scales at
-a recorded step are those of the full run.
+a recorded step are those of the full run; ``observe_every_step=False`` makes the steps between
+free, the history then holding the recorded steps only.
 
 Steps: a trainer calls :meth:`Recorder.begin_step` / :meth:`Recorder.end_step`. In a user's own
 loop without those calls, every forward of the root module with autograd enabled in training mode
@@ -82,10 +83,14 @@ class Recorder:
         save_every: int = 0,
         roles: str | Iterable[str] | None = None,
         layers: LayerFilter | None = None,
+        observe_every_step: bool = True,
         chunk_steps: int = 50,
         config: dict | None = None,
         append: bool = False,
     ) -> None:
+        if not isinstance(observe_every_step, bool):
+            raise ArgumentError.about("observe_every_step", f" must be True or False, got {observe_every_step!r}")
+        self.observe_every_step = observe_every_step
         self.every = check_interval("every", every, 1)
         self.save_every = check_interval("save_every", save_every, 0)
         self.roles = check_roles(roles)
@@ -127,6 +132,7 @@ class Recorder:
                           "rounding": c.rounding.value} for r, c in casts.items()},
             "hypothetical_recipe": None if self.state is not None else recipe_name,
             "sampling": {"every": self.every, "save_every": self.save_every, "roles": list(self.roles),
+                         "observe_every_step": observe_every_step,
                          "layers": sorted(self._layer_names) if layers is not None else None},
         }
         meta.update(config or {})
@@ -258,7 +264,7 @@ class Recorder:
         fmt, policy = self._fmts[role], self.policies[role]
         on_host = x.device.type == "cpu"
         if not self._due:  # between recorded steps only a history needs the amax
-            if not policy.just_in_time:
+            if not policy.just_in_time and self.observe_every_step:
                 self._resolve_deferred(name)
                 a = amax_f32(x)
                 self._observe(policy, name, fmt, float(a) if on_host else a)
@@ -386,6 +392,9 @@ def record(model: nn.Module, path: str | os.PathLike, **kwargs) -> Recorder:
     - ``every``: record steps 1, N+1, 2N+1, ... (default 1: every step);
     - ``save_every``: also save the full tensors at steps 1, K+1, ... (0: never), on their own
       schedule (a step whose tensors are saved is recorded too);
+    - ``observe_every_step``: a plain model's history-keeping policies (``delayed``) observe
+      the amax at every step, recorded or not (default; one amax pass per tensor per step), or
+      at the recorded steps only (False: steps between cost nothing);
     - ``roles``: the roles to record, names of :data:`RECORDED_ROLES` (a list, or one
       comma-separated string; default all);
     - ``layers``: the layers to record: glob patterns on their names (``"layers.*.mlp.*"``) or a
