@@ -205,11 +205,18 @@ def analyze(
     ``chunk``: elements read at a time (bounds memory). ``progress``: a bar on stderr.
     """
     from fp8sim.analysis.run_traces import merged_runs
+    from fp8sim.analysis.te_log_summary import split_te_logs
 
     variants, rules, th, block = _checked_options(
         formats, scalings, margin, pow2, fail_on, underflow_warning, underflow_critical,
         fp8_scales, fp8_block, chunk)  # fmt: skip
+    inputs, te_notes, te_paths = split_te_logs(inputs)
+    if inputs is None:  # TE debug logs only: their statistics, said as notes
+        return AnalysisResult(variants=tuple(variants), records=(), traces=(),
+                              notes=tuple(Note(**n) for n in te_notes), errors=(), rules=tuple(rules),
+                              crossings=(), files=tuple(te_paths))  # fmt: skip
     with merged_runs(inputs) as (inputs, shown, run_notes):
+        run_notes = te_notes + run_notes
         return _analyze_opened(inputs, shown, run_notes, variants, rules, th, block, fp8_scales, keep_going,
                                chunk, progress)  # fmt: skip
 
