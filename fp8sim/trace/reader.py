@@ -12,6 +12,7 @@ import numpy as np
 
 from fp8sim.input_files import open_regular, read_json, require_regular_file
 from fp8sim.trace import layout
+from fp8sim.trace.block_columns import block_record, check_block_columns
 from fp8sim.trace.checks import check_catalogue, check_chunk_columns, check_chunk_sequence, check_chunk_values
 from fp8sim.trace.histogram import AbsHistogram, num_bins
 from fp8sim.trace.layout import (
@@ -58,6 +59,8 @@ class TraceRecord:
     overflow: int
     underflow: int
     hist: AbsHistogram
+    #: the cast's block statistics (:class:`fp8sim.trace.block_stats.BlockStats`), if block-scaled
+    blocks: Any = None
 
 
 def _list(v: Any, what: str) -> list:
@@ -157,6 +160,7 @@ class TraceReader:
         except Exception as exc:  # zipfile/OSError: a corrupt chunk
             raise ValueError(f"{path}: corrupt trace chunk ({type(exc).__name__}: {exc})") from None
         check_chunk_columns(path, cols)  # every column there, 1-D, of its kind, lengths agree
+        check_block_columns(path, cols)
         if cols["tensor"].size and int(cols["tensor"].max()) >= len(self.tensors):
             self.refresh()  # written after we read trace.json
             if int(cols["tensor"].max()) >= len(self.tensors):
@@ -216,7 +220,7 @@ class TraceReader:
             format=self.formats[int(cols["format"][i])], numel=int(cols["numel"][i]),
             zero=zero, nan=nan, inf=inf, amax=float(cols["amax"][i]),
             scale=float(cols["scale"][i]), overflow=int(cols["overflow"][i]),
-            underflow=int(cols["underflow"][i]), hist=hist,
+            underflow=int(cols["underflow"][i]), hist=hist, blocks=block_record(cols, i),
         )  # fmt: skip
 
     def records(self, name: str | None = None) -> Iterator[TraceRecord]:

@@ -19,6 +19,7 @@ import numpy as np
 
 from fp8sim.input_files import open_regular
 from fp8sim.atomic_file import atomic_write
+from fp8sim.trace.block_columns import is_block_column, keep_block_rows
 from fp8sim.trace.layout import (
     CHUNK_DIR,
     CHUNK_RE,
@@ -35,7 +36,9 @@ def _keep_rows(cols: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.nd
     """The chunk's columns for the rows where ``keep`` is True (histograms re-packed)."""
     off = cols["hist_offsets"]
     rows = np.flatnonzero(keep)
-    out = {k: v[keep] for k, v in cols.items() if k not in ("hist_offsets", "hist_bins", "hist_counts")}
+    out = {k: v[keep] for k, v in cols.items()
+           if k not in ("hist_offsets", "hist_bins", "hist_counts") and not is_block_column(k)}
+    out.update(keep_block_rows(cols, keep))
     pieces = [slice(int(off[i]), int(off[i + 1])) for i in rows]
     sizes = np.array([s.stop - s.start for s in pieces], dtype=np.int64)
     out["hist_offsets"] = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

@@ -26,6 +26,7 @@ from fp8sim.trace.histogram import (
     EXPONENT_MIN,
     check_mantissa_bits,
 )
+from fp8sim.trace.block_columns import block_columns
 from fp8sim.trace.statistics import HistogramCounts, histogram_and_counts
 from fp8sim.trace.layout import (
     CHUNK_DIR,
@@ -229,10 +230,12 @@ class TraceWriter:
         fmt: str | FloatFormat | None = None,
         overflow: int | None = None,
         underflow: int | None = None,
+        blocks: Any = None,
     ) -> None:
         """:meth:`record` with the statistics already computed (``r``: the
         :func:`fp8sim.trace.statistics.histogram_and_counts` of the tensor under ``scale``, this
-        trace's rounding and histogram width), e.g. on the tensor's device."""
+        trace's rounding and histogram width), e.g. on the tensor's device. ``blocks``: the
+        cast's block statistics (:class:`fp8sim.trace.block_stats.BlockStats`), if block-scaled."""
         self._check_open()
         step = int(step)
         if step < 0:  # chunk file names carry steps as unsigned numbers
@@ -259,7 +262,7 @@ class TraceWriter:
                 amax=float(r.amax if amax is None else float(amax)), scale=scale_f,
                 overflow=r.overflow if overflow is None else int(overflow),
                 underflow=r.underflow if underflow is None else int(underflow),
-                bins=r.bins, counts=r.counts,
+                bins=r.bins, counts=r.counts, blocks=blocks,
             )
         )  # fmt: skip
 
@@ -359,6 +362,7 @@ class TraceWriter:
         cols["hist_offsets"] = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         cols["hist_bins"] = np.concatenate([r["bins"] for r in rows] + [np.zeros(0, np.uint32)])
         cols["hist_counts"] = np.concatenate([r["counts"] for r in rows] + [np.zeros(0, np.int64)])
+        cols.update(block_columns([r.get("blocks") for r in rows]))
         first, last = self._buf_steps[0], self._buf_steps[-1]
         name = chunk_file_name(self._seq, first, last)
         atomic_write(self.path / CHUNK_DIR / name, lambda f: np.savez_compressed(f, **cols))

@@ -41,6 +41,7 @@ class _Record:
     underflow: Any = None
     amax: float | None = None  # the amax the policy saw, where it differs from the statistics'
     saved: torch.Tensor | None = None
+    blocks: Any = None  # a block-scaled cast's block statistics (fp8sim.trace.block_stats)
 
 
 def seen_amax(r: HistogramCounts, dtype: torch.dtype) -> float:
@@ -68,11 +69,12 @@ class StepBatch:
     _event: Any = None
 
     def add(self, name: str, role: str, fmt: FloatFormat, x: torch.Tensor, scale: float,
-            stats: HistogramCounts | torch.Tensor, *, save: bool = False, **measured: Any) -> _Record:  # fmt: skip
+            stats: HistogramCounts | torch.Tensor, *, save: bool = False, blocks: Any = None,
+            **measured: Any) -> _Record:  # fmt: skip
         """Add ``x``'s record. ``stats``: host statistics, or a
         :func:`~fp8sim.trace.statistics.device_statistics` tensor followed by 0-d int64 device
         tensors of ``measured`` counts (``overflow=``, ``underflow=``: ints or device tensors)."""
-        rec = _Record(name, role, fmt, tuple(x.shape), x.numel(), x.dtype, scale, None)
+        rec = _Record(name, role, fmt, tuple(x.shape), x.numel(), x.dtype, scale, None, blocks=blocks)
         if isinstance(stats, HistogramCounts):
             rec.stats = stats
         else:
@@ -132,7 +134,7 @@ class StepBatch:
             amax = rec.amax if rec.amax is not None else seen_amax(r, rec.dtype)
             writer.record_counts(self.step, rec.name, r, scale=rec.scale, amax=amax, fmt=rec.fmt,
                                  overflow=self._measured(rec.overflow),
-                                 underflow=self._measured(rec.underflow))  # fmt: skip
+                                 underflow=self._measured(rec.underflow), blocks=rec.blocks)  # fmt: skip
             if rec.saved is not None:
                 writer.save_tensor(self.step, rec.name, rec.saved)
 

@@ -289,11 +289,18 @@ class Recorder:
             return
         if op.granularity == "tensor":
             self._add(name, role, op.fmt, x, float(scale), self._statistics(x, op.fmt, float(scale)))
-        else:  # block scales: the record keeps scale 1 and the measured underflow
+        else:  # block scales: scale 1, the block statistics, the measured clipping and underflow
+            from fp8sim.policies import parse_policy
+            from fp8sim.trace.block_stats import block_statistics
+
             mag = op.codes & (op.fmt.sign_mask - 1)
             under = ((mag == 0) & (x != 0)).sum()
-            self._add(name, role, op.fmt, x, 1.0, self._statistics(x, op.fmt, 1.0), overflow=0,
-                      underflow=int(under) if x.device.type == "cpu" else under)  # fmt: skip
+            blocks = block_statistics(
+                x, op.codes, op.scale_inv, op.fmt, op.granularity, k=self._hist_bits,
+                global_amax=None if op.global_amax is None else float(op.global_amax),
+                policy_params=parse_policy(cast.policy).params if op.granularity.startswith("block") else None)
+            self._add(name, role, op.fmt, x, 1.0, self._statistics(x, op.fmt, 1.0), overflow=blocks.clipped,
+                      underflow=int(under) if x.device.type == "cpu" else under, blocks=blocks)  # fmt: skip
 
     # -- steps and lifetime -----------------------------------------------------------------
     def _start_step(self, step: int) -> None:
