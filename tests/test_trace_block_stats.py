@@ -117,3 +117,28 @@ def test_a_recorded_mx_run_keeps_block_statistics(tmp_path):
     kept = [r for r in TraceReader(tmp_path / "t").records() if r.blocks is not None]
     assert kept and all(r.step == 1 for r in kept)
     assert [r.blocks.counts.tolist() for r in kept] == [r.blocks.counts.tolist() for r in recs if r.step == 1]
+
+
+def test_a_per_tensor_recording_can_keep_what_mx_would_do(tmp_path):
+    """record(block_stats="mx") on a plain model: each record's hypothetical MX statistics give
+    the floor rule's counts of the saved tensor exactly, without loading it."""
+    import torch.nn as nn
+
+    from fp8sim.errors import ArgumentError
+    from fp8sim.trace import TraceReader
+    from fp8sim.training import record
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32))
+    with record(model, tmp_path / "t", save_every=1, block_stats="mx"):
+        for i in range(2):
+            model(_wide(8, 64, seed=i)).square().mean().backward()
+    tr = TraceReader(tmp_path / "t")
+    recs = list(tr.records())
+    assert recs and all(r.blocks is not None and r.blocks.kind == "e8m0" for r in recs)
+    for r in recs:
+        v = tensor_stats(tr.load_tensor(r.step, r.name), parse_variants([r.format], ["mx"])).variants[0]
+        over, under, exact = mx_floor_counts(r.blocks, r.format, tr.hist_mantissa_bits)
+        assert (over, under) == (v.overflow, v.underflow) and r.blocks.clipped == v.overflow
+    with pytest.raises(ArgumentError, match="block_stats"):
+        record(model, tmp_path / "u", block_stats="nvfp4")

@@ -42,7 +42,7 @@ from fp8sim.formats import FloatFormat, get_format
 from fp8sim.trace.histogram import AbsHistogram, cast_thresholds
 from fp8sim.trace.statistics import HistogramCounts, histogram_and_counts
 
-__all__ = ["BlockStats", "block_statistics", "mx_floor_counts", "KINDS", "MX_REL_SAFE_EXPONENT"]
+__all__ = ["BlockStats", "block_statistics", "mx_what_if", "mx_floor_counts", "KINDS", "MX_REL_SAFE_EXPONENT"]
 
 #: what a record's scale codes are: 1 E8M0 (MX), 2 E4M3 (NVFP4), 3 float32 binade (block:RxC)
 KINDS = {"e8m0": 1, "e4m3": 2, "f32": 3}
@@ -196,6 +196,21 @@ def _mx_relative(x, s, tile, fmt, k) -> tuple[HistogramCounts, int]:
     real = torch.arange(blocks.shape[1] * c, device=x.device).reshape(1, -1, c) < cols
     keep = (ok.unsqueeze(-1) & real).expand_as(rel)
     return histogram_and_counts(rel[keep], get_format("e4m3"), 1.0, "rne", k), unsafe
+
+
+def mx_what_if(x, fmt: str | FloatFormat, k: int = 5) -> BlockStats:
+    """The block statistics an MX cast of 2-D ``x`` in ``fmt`` with the OCP ``floor`` rule would
+    have (its scales from :func:`fp8sim.scaling.mx_shared_scale` of each 32-element block's amax):
+    for a tensor cast per tensor, so that ``mx`` replays from the record alone."""
+    import torch
+
+    from fp8sim.scaling import MX_BLOCK, mx_shared_scale
+
+    rows, cols = x.shape
+    pad = torch.nn.functional.pad(x.detach().abs().to(torch.float32), (0, -cols % MX_BLOCK))
+    amax = pad.reshape(rows, -1, MX_BLOCK).amax(dim=-1)  # NaN for a block holding a NaN
+    scale_inv = torch.from_numpy(mx_shared_scale(amax.cpu().numpy(), fmt, "floor")).to(x.device)
+    return block_statistics(x, None, scale_inv, fmt, "mx", k=k)
 
 
 def mx_floor_counts(stats: BlockStats, fmt: str | FloatFormat, mantissa_bits: int) -> tuple[int, int, bool]:

@@ -84,6 +84,7 @@ class Recorder:
         roles: str | Iterable[str] | None = None,
         layers: LayerFilter | None = None,
         observe_every_step: bool = True,
+        block_stats: str | None = None,
         chunk_steps: int = 50,
         config: dict | None = None,
         append: bool = False,
@@ -91,6 +92,9 @@ class Recorder:
         if not isinstance(observe_every_step, bool):
             raise ArgumentError.about("observe_every_step", f" must be True or False, got {observe_every_step!r}")
         self.observe_every_step = observe_every_step
+        if block_stats not in (None, "mx"):
+            raise ArgumentError.about("block_stats", f" must be None or 'mx', got {block_stats!r}")
+        self.block_stats = block_stats
         self.every = check_interval("every", every, 1)
         self.save_every = check_interval("save_every", save_every, 0)
         self.roles = check_roles(roles)
@@ -132,7 +136,7 @@ class Recorder:
                           "rounding": c.rounding.value} for r, c in casts.items()},
             "hypothetical_recipe": None if self.state is not None else recipe_name,
             "sampling": {"every": self.every, "save_every": self.save_every, "roles": list(self.roles),
-                         "observe_every_step": observe_every_step,
+                         "observe_every_step": observe_every_step, "block_stats": block_stats,
                          "layers": sorted(self._layer_names) if layers is not None else None},
         }
         meta.update(config or {})
@@ -236,6 +240,10 @@ class Recorder:
         return device_statistics(x, fmt, scale, self._rounding, self._hist_bits)
 
     def _add(self, name: str, role: str, fmt, x: torch.Tensor, scale: float, stats, **measured):
+        if self.block_stats == "mx" and "blocks" not in measured and x.dim() == 2:
+            from fp8sim.trace.block_stats import mx_what_if
+
+            measured["blocks"] = mx_what_if(x, fmt, self._hist_bits)  # what an MX cast would do
         if name not in self._declared:  # declared once, with the first shape seen
             self._batch.declare.append((name, role, fmt.name, tuple(x.shape)))
             self._declared.add(name)
@@ -402,6 +410,9 @@ def record(model: nn.Module, path: str | os.PathLike, **kwargs) -> Recorder:
     - ``observe_every_step``: a plain model's history-keeping policies (``delayed``) observe
       the amax at every step, recorded or not (default; one amax pass per tensor per step), or
       at the recorded steps only (False: steps between cost nothing);
+    - ``block_stats``: ``"mx"`` also records, for every tensor cast per tensor, the block
+      statistics an MX cast (OCP ``floor`` rule) would have, so that ``mx`` replays exactly from
+      the trace without full tensors (:mod:`fp8sim.trace.block_stats`; two more passes per tensor);
     - ``roles``: the roles to record, names of :data:`RECORDED_ROLES` (a list, or one
       comma-separated string; default all);
     - ``layers``: the layers to record: glob patterns on their names (``"layers.*.mlp.*"``) or a
