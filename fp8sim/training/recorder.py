@@ -232,10 +232,17 @@ class Recorder:
         return hook
 
     # -- recording --------------------------------------------------------------------------
+    #: take the accelerator's path (statistics as device rows, amaxes deferred) for CPU tensors
+    #: too: how the tests check that path on a machine without an accelerator
+    _device_path_on_cpu = False
+
+    def _on_host(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and not self._device_path_on_cpu
+
     def _statistics(self, x: torch.Tensor, fmt, scale: float):
         """``x``'s statistics where it lives: host statistics for a CPU tensor (numba), a small
         int64 device tensor otherwise (:func:`~fp8sim.trace.statistics.device_statistics`)."""
-        if x.device.type == "cpu":
+        if self._on_host(x):
             return histogram_and_counts(x, fmt, scale, self._rounding, self._hist_bits)
         return device_statistics(x, fmt, scale, self._rounding, self._hist_bits)
 
@@ -270,7 +277,7 @@ class Recorder:
         from fp8sim.backends.base import amax_f32
 
         fmt, policy = self._fmts[role], self.policies[role]
-        on_host = x.device.type == "cpu"
+        on_host = self._on_host(x)
         if not self._due:  # between recorded steps only a history needs the amax
             if not policy.just_in_time and self.observe_every_step:
                 self._resolve_deferred(name)
@@ -308,7 +315,7 @@ class Recorder:
                 global_amax=None if op.global_amax is None else float(op.global_amax),
                 policy_params=parse_policy(cast.policy).params if op.granularity.startswith("block") else None)
             self._add(name, role, op.fmt, x, 1.0, self._statistics(x, op.fmt, 1.0), overflow=blocks.clipped,
-                      underflow=int(under) if x.device.type == "cpu" else under, blocks=blocks)  # fmt: skip
+                      underflow=int(under) if self._on_host(x) else under, blocks=blocks)  # fmt: skip
 
     # -- steps and lifetime -----------------------------------------------------------------
     def _start_step(self, step: int) -> None:
