@@ -7,7 +7,7 @@ delayed policy then observes the recorded steps only; an FP8 model's own policie
 * ``linear``: two ``nn.Linear(width, width)`` layers with a GELU between (a model that is *not*
   converted, as a user instruments a bf16/fp32 run: the recorder runs ``te-delayed``'s policies
   for the casts it would make);
-* ``llama``: a tiny Hugging Face ``LlamaForCausalLM`` built from a config and converted with
+* ``llama``: a tiny Hugging Face ``LlamaForCausalLM`` (2 layers, ``--llama-hidden``) built from a config and converted with
   ``convert_to_fp8(model, "te-delayed", backend="torch")`` (the recorder taps its live casts).
 
 A block is ``--block`` consecutive training steps (forward, backward, SGD) of one copy. After
@@ -88,7 +88,7 @@ def _step_fn(kind: str, model: nn.Module, args):
 
 
 def bench(kind: str, args, tmp: str) -> dict:
-    make = (lambda: linear_model(args.width)) if kind == "linear" else (lambda: llama_model(args.width, 2))
+    make = (lambda: linear_model(args.width)) if kind == "linear" else (lambda: llama_model(args.llama_hidden, 2))
     models = _copies(make, 4)
     names = ["plain", "every=1", "every=10", "every=10,observe_every_step=False"]
     recs = [None, record(models[1], os.path.join(tmp, f"{kind}-1"), every=1, chunk_steps=50),
@@ -110,7 +110,7 @@ def bench(kind: str, args, tmp: str) -> dict:
         if rec is not None:
             rec.close()
     med = {n: statistics.median(v) for n, v in times.items()}
-    return {"model": kind, "width": args.width, "tokens": args.tokens,
+    return {"model": kind, "width": args.width if kind == "linear" else args.llama_hidden, "tokens": args.tokens,
             "step_ms": {n: round(1e3 * v, 2) for n, v in med.items()},
             "overhead_pct": {n: round(100 * (med[n] / med["plain"] - 1), 1) for n in names[1:]},
             "per_round_overhead_pct": {n: [round(100 * (a / b - 1), 1) for a, b in zip(times[n], times["plain"])]
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=2048, help="tokens per step (rows of the batch)")
+    p.add_argument("--llama-hidden", type=int, default=256, help="the tiny Llama's hidden size (2 layers)")
     p.add_argument("--block", type=int, default=10, help="steps per timed block (every=10 records one)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind in args.models.split(","):
             res = bench(kind, args, tmp)
             out["results"].append(res)
-            print(f"{kind:6s} width {args.width} tokens {args.tokens}: step {res['step_ms']} ms; "
+            print(f"{kind:6s} width {res['width']} tokens {args.tokens}: step {res['step_ms']} ms; "
                   f"overhead {res['overhead_pct']} %", file=sys.stderr, flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
