@@ -215,13 +215,20 @@ def analyze(
         return AnalysisResult(variants=tuple(variants), records=(), traces=(),
                               notes=tuple(Note(**n) for n in te_notes), errors=(), rules=tuple(rules),
                               crossings=(), files=tuple(te_paths))  # fmt: skip
-    with merged_runs(inputs) as (inputs, shown, run_notes):
+    run_errors: list[dict] = []
+
+    def bad_run(path: str, exc: Exception) -> None:  # a run whose rank traces cannot be merged
+        if not keep_going:
+            raise ValueError(_one_line(str(exc)))
+        run_errors.append({"file": path, "name": None, "reason": _one_line(str(exc))})
+
+    with merged_runs(inputs, bad_run) as (inputs, shown, run_notes):
         run_notes = te_notes + run_notes
-        return _analyze_opened(inputs, shown, run_notes, variants, rules, th, block, fp8_scales, keep_going,
-                               chunk, progress)  # fmt: skip
+        return _analyze_opened(inputs, shown, run_notes, run_errors, variants, rules, th, block, fp8_scales,
+                               keep_going, chunk, progress)  # fmt: skip
 
 
-def _analyze_opened(inputs, shown, run_notes, variants, rules, th, block, fp8_scales, keep_going, chunk,
+def _analyze_opened(inputs, shown, run_notes, run_errors, variants, rules, th, block, fp8_scales, keep_going, chunk,
                     progress) -> AnalysisResult:  # fmt: skip
     """:func:`analyze` once its options are checked and run directories merged (``shown``: a
     merged trace's path -> the run directory shown for it)."""
@@ -231,7 +238,7 @@ def _analyze_opened(inputs, shown, run_notes, variants, rules, th, block, fp8_sc
     from fp8sim.analysis.trace_summary import summarize_trace
     from fp8sim.analysis.verdict import layer_verdicts
 
-    errors: list[dict] = []
+    errors: list[dict] = list(run_errors)
 
     def bad(path: str, exc: Exception, name: str | None = None) -> None:
         """``path`` is bad, or (``name``) one tensor of it is: raised, or listed (keep_going)."""

@@ -50,12 +50,12 @@ def rank_trace_dirs(path: str | os.PathLike) -> list[Path] | None:
     when ``path`` is not one (a trace itself, or a folder without ``rankN`` traces). Ranks must
     run 0..N-1 without a gap (ValueError otherwise: a lost rank would bias every sum)."""
     p = Path(path)
-    if not p.is_dir() or is_trace(p):
+    if not p.is_dir() or (p / "trace.json").exists():  # a trace (or a damaged one) itself
         return None
     found = {}
     for d in p.iterdir():
         m = _RANK_DIR.match(d.name)
-        if m and d.is_dir() and is_trace(d):
+        if m and d.is_dir() and (d / "trace.json").is_file():  # a damaged one: refused when read
             found[int(m.group(1))] = d
     if not found:
         return None
