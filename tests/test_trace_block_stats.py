@@ -72,8 +72,10 @@ def test_nvfp4_clipped_and_scale_underflow(variant):
     be = get_backend("emulator")
     codes, block_scale, tensor_scale, global_amax = be.nvfp4_quantize(x, "1x16", variant)
     st = block_statistics(x, codes, block_scale, "e2m1", f"nvfp4:1x16:{variant}", global_amax=float(global_amax))
-    op = Fp8Operand(codes, block_scale, __import__("fp8sim").get_format("e2m1"), f"nvfp4:1x16:{variant}",
-                    tensor_scale, global_amax)
+    from fp8sim.scaling import parse_granularity
+
+    op = Fp8Operand(codes, block_scale, __import__("fp8sim").get_format("e2m1"),
+                    parse_granularity(f"nvfp4:1x16:{variant}"), tensor_scale=tensor_scale, global_amax=global_amax)
     over, _ = _nvfp4_events(x, op, codes & 0x7)  # the training path's own count
     assert st.kind == "e4m3" and st.clipped == over
     enc = block_scale.to(torch.float8_e4m3fn).view(torch.uint8).long()

@@ -51,13 +51,12 @@ import torch
 import torch.nn as nn
 
 from fp8sim.errors import ArgumentError
-from fp8sim.formats import get_format
 from fp8sim.trace import TraceReader, TraceWriter
 from fp8sim.trace.background import BackgroundWriter
 from fp8sim.trace.statistics import device_statistics, histogram_and_counts
 from fp8sim.training.convert import fp8_linears, get_fp8_state
 from fp8sim.training.fp8_linear import is_hf_conv1d
-from fp8sim.training.recipes import CastConfig, get_recipe
+from fp8sim.recipes import CastConfig, get_recipe
 from fp8sim.training.record_batch import StepBatch, seen_amax
 from fp8sim.training.record_options import (
     RECORDED_ROLES,
@@ -123,8 +122,7 @@ class Recorder:
         if "weight_grad" not in casts:
             casts["weight_grad"] = CastConfig(casts["grad_output"].fmt, casts["grad_output"].scaling)
         self.casts = casts
-        self._fmts = {r: get_format(c.fmt) for r, c in casts.items()}
-        from fp8sim.policies import parse_policy
+        from fp8sim.quantizer import Quantizer
 
         # quantizers for the tensors the model does not cast itself (their scales are what-ifs)
         own_roles = [r for r in casts if self.state is None or r not in self.state.casts]
@@ -149,7 +147,7 @@ class Recorder:
         self._explicit = False
         self._due = self._save = False  # whether the current step is recorded / its tensors saved
         self._batch: StepBatch | None = None
-        # amaxes a history-keeping policy has yet to observe: (policy, name, fmt, 0-d device tensor)
+        # amaxes a history-keeping policy has yet to observe: (quantizer, name, 0-d device tensor)
         self._deferred: list[tuple[Any, str, Any, torch.Tensor]] = []
         # whether the root's last forward was a training forward with autograd: only those (and
         # their backward) are recorded; an eval-mode or no-grad forward records nothing
@@ -261,40 +259,43 @@ class Recorder:
         if ``name`` has one pending (None: in any case)."""
         if not self._deferred or (name is not None and all(d[1] != name for d in self._deferred)):
             return
-        values = torch.stack([d[3].to(torch.float32) for d in self._deferred]).cpu().tolist()
-        for (policy, n, fmt, _), amax in zip(self._deferred, values):
-            policy.observe(n, amax, fmt)
+        values = torch.stack([d[2].to(torch.float32) for d in self._deferred]).cpu().tolist()
+        for (q, n, _), amax in zip(self._deferred, values):
+            q.observe(n, amax)
         self._deferred.clear()
 
-    def _observe(self, policy, name: str, fmt, amax: float | torch.Tensor) -> None:
+    def _observe(self, q, name: str, amax: float | torch.Tensor) -> None:
         if isinstance(amax, torch.Tensor):  # on an accelerator: observed when next needed
-            self._deferred.append((policy, name, fmt, amax))
+            self._deferred.append((q, name, amax))
         else:
-            policy.observe(name, amax, fmt)
+            q.observe(name, amax)
 
     def _record_hypothetical(self, name: str, role: str, x: torch.Tensor) -> None:
         """A tensor the model does not cast: the recorder's policy gives the scale it would get."""
         from fp8sim.backends.base import amax_f32
 
-        fmt, policy = self._fmts[role], self.policies[role]
+        q = self.quantizers[role]
+        fmt = q.fmt
+        # MX and NVFP4 scales come from this tensor's (block) amax, as just-in-time ones do
+        jit = q.policy.just_in_time or q.granularity.kind in ("mx", "nvfp4")
         on_host = self._on_host(x)
         if not self._due:  # between recorded steps only a history needs the amax
-            if not policy.just_in_time and self.observe_every_step:
+            if not jit and self.observe_every_step:
                 self._resolve_deferred(name)
                 a = amax_f32(x)
-                self._observe(policy, name, fmt, float(a) if on_host else a)
+                self._observe(q, name, float(a) if on_host else a)
             return
         self._resolve_deferred(name)
-        if policy.just_in_time:  # the scale needs this tensor's amax first (a sync on a device)
+        if jit:  # the scale needs this tensor's amax first (a sync on a device)
             amax = float(amax_f32(x))
-            scale = float(policy.scale_for(name, fmt, current_amax=amax))
+            scale = float(q.scale_for(name, amax))
         else:  # the scale is known: the amax comes out of the statistics pass
-            amax, scale = None, float(policy.scale_for(name, fmt))
+            amax, scale = None, float(q.scale_for(name, None))
         stats = self._statistics(x, fmt, scale)
         self._add(name, role, fmt, x, scale, stats)
         if amax is None:
             amax = seen_amax(stats, x.dtype) if on_host else amax_f32(x)
-        self._observe(policy, name, fmt, amax)
+        self._observe(q, name, amax)
 
     def _on_cast(self, name: str, role: str, x: torch.Tensor, cast: CastConfig, scale, op) -> None:
         """Tap of an FP8 model (the one place that knows the tap's signature): the live cast,
@@ -302,18 +303,17 @@ class Recorder:
         with autograd, each once)."""
         if not self._due or role not in self.roles or name.rsplit(".", 1)[0] not in self._layer_names:
             return
-        if op.granularity == "tensor":
+        if op.granularity.kind == "tensor":
             self._add(name, role, op.fmt, x, float(scale), self._statistics(x, op.fmt, float(scale)))
         else:  # block scales: scale 1, the block statistics, the measured clipping and underflow
-            from fp8sim.policies import parse_policy
             from fp8sim.trace.block_stats import block_statistics
 
             mag = op.codes & (op.fmt.sign_mask - 1)
             under = ((mag == 0) & (x != 0)).sum()
             blocks = block_statistics(
-                x, op.codes, op.scale_inv, op.fmt, op.granularity, k=self._hist_bits,
+                x, op.codes, op.scale_inv, op.fmt, op.granularity.spec, k=self._hist_bits,
                 global_amax=None if op.global_amax is None else float(op.global_amax),
-                policy_params=parse_policy(cast.policy).params if op.granularity.startswith("block") else None)
+                policy_params=_block_params(cast) if op.granularity.kind == "block" else None)
             self._add(name, role, op.fmt, x, 1.0, self._statistics(x, op.fmt, 1.0), overflow=blocks.clipped,
                       underflow=int(under) if self._on_host(x) else under, blocks=blocks)  # fmt: skip
 
@@ -347,7 +347,7 @@ class Recorder:
     def state_dict(self) -> dict:
         """The recorder's own policies (hypothetical casts), for checkpoints."""
         self._resolve_deferred()
-        return {"step": self.step, "policies": {r: p.state_dict() for r, p in self.policies.items()}}
+        return {"step": self.step, "policies": {r: q.state_dict() for r, q in self.quantizers.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         self.step = int(d["step"])
@@ -395,6 +395,12 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _block_params(cast: CastConfig) -> dict:
+    """The just-in-time rule of a ``block:RxC`` cast: its scaling's margin, pow2 and epsilon."""
+    c = cast.scaling
+    return {"margin": c.margin, "pow2": c.pow2, "epsilon": c.epsilon}
 
 
 def record(model: nn.Module, path: str | os.PathLike, **kwargs) -> Recorder:
