@@ -400,7 +400,7 @@ def _replay_reader(reader, shown: str, specs: list, include_recorded: bool, rule
                    progress: bool) -> ReplayResult:  # fmt: skip
     """:func:`replay` over an open trace (``shown``: the path given for it)."""
     from fp8sim.analysis.policy_replay import replay_policies
-    from fp8sim.policies import parse_policy
+    from fp8sim.scaling_config import parse_scaling, scaling_spec
 
     n_records = int(reader.scalars()["step"].size)
     # one per policy, however often it is spelled (replay_policies replays it once)
