@@ -158,3 +158,24 @@ def test_seeds_beyond_64_bits_are_refused_in_words(tmp_path, capsys, corpus):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"--seed must be an integer from 0 to 2**64 - 1, got {2**64}" in err, err
     assert not (tmp_path / "r").exists() and not (tmp_path / "d").exists()
+
+
+def test_a_custom_recipe_run_resumes_finishes_and_extends_from_python(tmp_path, corpus):
+    """A run of a recipe object (stored as its to_dict(), which config.json cannot build back)
+    resumes, stays finished, and extends from Python with the same object; another recipe
+    object's checkpoint is refused as another config."""
+    from fp8sim.recipes import get_recipe
+    from fp8sim.training.model import GPTConfig
+    from fp8sim.training.trainer import TrainConfig, Trainer
+
+    model = GPTConfig(block_size=16, n_layer=1, n_head=1, n_embd=32)
+    cfg = TrainConfig(recipe=get_recipe("te-delayed", amax_history_len=32), steps=4, batch_size=4, warmup=1,
+                      eval_every=0, checkpoint_every=2, data=str(corpus), model=model)  # fmt: skip
+    out = tmp_path / "run"
+    Trainer(cfg, out).run(progress=False, stop_after=2)
+    assert Trainer(cfg, out, resume=True).run(progress=False)["steps_done"] == 4
+    assert Trainer(cfg, out, resume=True).finished
+    assert Trainer(cfg.extended(6), out, resume=True).run(progress=False)["steps_done"] == 6
+    other = TrainConfig(**{**cfg.__dict__, "recipe": get_recipe("te-delayed", amax_history_len=16), "steps": 8})
+    with pytest.raises(ValueError, match=r"checkpoint was written by a different config \(differs in \['recipe'\]\)"):
+        Trainer(other, out, resume=True)
