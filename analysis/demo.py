@@ -122,9 +122,15 @@ def run_demo(
         _clear_previous_report(out)
         begin_list(out, REPORT_LIST, REPORT_SCHEMA)
         try:
-            return _demo(out, recipe, base, quick, progress)
-        finally:  # what this run wrote, finished or not: a rerun removes exactly that
-            list_files(out, REPORT_LIST, REPORT_SCHEMA)
+            fig = _demo(out, recipe, base, quick, progress)
+        except BaseException:  # what this run wrote so far, listed too: a rerun removes exactly that
+            try:
+                list_files(out, REPORT_LIST, REPORT_SCHEMA)
+            except OSError:  # a full disk, say: the list stays incomplete, and a rerun refuses
+                pass  # rather than guess (the first error is the one said)
+            raise
+        list_files(out, REPORT_LIST, REPORT_SCHEMA)
+        return fig
 
 
 def _demo(out: Path, recipe: str, base: dict, quick: bool, progress: bool | None) -> dict:

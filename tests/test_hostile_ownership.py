@@ -6,6 +6,7 @@ with SIGKILL leaves nothing stuck. (The demo's own rerun: tests/test_training_de
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -153,3 +154,20 @@ def test_every_command_refuses_a_directory_another_process_writes(tmp_path, caps
         p.send_signal(signal.SIGKILL)
         p.wait()
     assert cli.main(["analyze", str(tmp_path / "x.npy"), "--plot", str(held)]) == 0  # free again
+
+
+def test_a_demo_that_fails_part_way_lists_what_it_wrote(tmp_path, monkeypatch):
+    from fp8sim.analysis import demo
+
+    def fails(out, *a):
+        (out / "runs").mkdir()
+        (out / "runs" / "half.json").write_text("{}")
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(demo, "_demo", fails)
+    with pytest.raises(RuntimeError, match="stopped"):
+        demo.run_demo(tmp_path / "r", size="quick")
+    listed = json.loads((tmp_path / "r" / ".fp8sim-demo").read_text())
+    assert listed["complete"] and list(listed["files"]) == ["runs/half.json"] and listed["dirs"] == ["runs"]
+    demo._clear_previous_report(tmp_path / "r")  # a rerun: exactly that is removed
+    assert list((tmp_path / "r").iterdir()) == []
