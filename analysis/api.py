@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from fp8sim.analysis.records import BadInput, Crossing, Note, TensorRecord
 from fp8sim.analysis.results import AnalysisResult, Log2Histogram, ReplayResult, replay_result
-from fp8sim.errors import ArgumentError
+from fp8sim.errors import ArgumentError, expect_bool, expect_int, expect_names, expect_real, expect_str
 
 __all__ = ["analyze", "replay", "scale_fallback_notes"]
 
@@ -55,6 +55,16 @@ def _checked_options(formats, scalings, margin, pow2, fail_on, underflow_warning
     from fp8sim.analysis.stats import parse_variants
     from fp8sim.scaling import check_margin
 
+    expect_names(formats, "formats")
+    expect_names(scalings, "scalings")
+    expect_real(margin, "margin", finite=False)  # its range: check_margin below
+    expect_bool(pow2, "pow2")
+    expect_str(fail_on, "fail_on", optional=True)
+    expect_real(underflow_warning, "underflow_warning")
+    expect_real(underflow_critical, "underflow_critical")
+    expect_str(fp8_scales, "fp8_scales")
+    expect_str(fp8_block, "fp8_block", optional=True)
+    expect_int(chunk, "chunk", lowest=1, optional=True)
     try:
         check_margin(margin, "margin")
     except ValueError as exc:
@@ -70,8 +80,6 @@ def _checked_options(formats, scalings, margin, pow2, fail_on, underflow_warning
         why = str(exc).split(": ", 1)[-1]
         raise ArgumentError("", "underflow_warning", f" {underflow_warning} / ", "underflow_critical",
                             f" {underflow_critical}: {why}") from None  # fmt: skip
-    if chunk is not None and chunk < 1:
-        raise ArgumentError.about("chunk", f" must be >= 1, got {chunk}")
     if fp8_scales not in FP8_SCALES:
         raise ArgumentError.about("fp8_scales", f" {fp8_scales!r}: valid: {', '.join(FP8_SCALES)}")
     block = None
@@ -210,6 +218,8 @@ def analyze(
     variants, rules, th, block = _checked_options(
         formats, scalings, margin, pow2, fail_on, underflow_warning, underflow_critical,
         fp8_scales, fp8_block, chunk)  # fmt: skip
+    expect_bool(keep_going, "keep_going")
+    expect_bool(progress, "progress")
     inputs, te_notes, te_paths = split_te_logs(inputs)
     if inputs is None:  # TE debug logs only: their statistics, said as notes
         return AnalysisResult(variants=tuple(variants), records=(), traces=(),
@@ -377,6 +387,10 @@ def replay(
     from fp8sim.analysis.run_traces import merged_runs
     from fp8sim.trace import TraceReader, is_trace
 
+    expect_names(policies, "policies")
+    expect_bool(include_recorded, "include_recorded")
+    expect_str(fail_on, "fail_on", optional=True)
+    expect_bool(progress, "progress")
     try:
         rules = parse_fail_on(fail_on, REPLAY_FAIL_METRICS) if fail_on is not None else []
     except ValueError as exc:

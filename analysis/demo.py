@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from fp8sim.atomic_file import atomic_write
+from fp8sim.atomic_file import atomic_write, owned_dir
 
 __all__ = ["register", "run_demo", "run"]
 
@@ -45,8 +45,10 @@ SIZES = {
 }
 #: steps of the emulator-backend run (the whole run when fewer): the backends agree step by step
 EMULATOR_STEPS = 50
-#: what a demo report folder holds; a rerun replaces these, and refuses a folder holding more
-REPORT_ENTRIES = ("runs", "traces", "plots", "summary.md", "summary.json", "analyze.json", ".fp8sim-demo")
+#: the list of the files a demo report holds (:mod:`fp8sim.owned_tree`): a rerun removes exactly
+#: those, and refuses a folder holding anything else
+REPORT_LIST = ".fp8sim-demo"
+REPORT_SCHEMA = "fp8sim-demo-report"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -86,8 +88,53 @@ def run_demo(
     """Run the demo into ``out``; returns the measured figures (also in ``summary.json``).
 
     ``size``: ``"quick"``, ``"default"`` or ``"full"`` (:data:`SIZES`); ``steps`` overrides its
-    step count. ``out`` must be new, empty, or a previous demo report (replaced: only the
-    entries in :data:`REPORT_ENTRIES` are removed). ``progress``: as :meth:`Trainer.run`."""
+    step count. ``out`` must be new, empty, or a previous demo report, which is replaced: the
+    files the demo listed in :data:`REPORT_LIST` when it wrote them are removed, and a report
+    holding anything else anywhere inside is refused (:mod:`fp8sim.owned_tree`). One process at
+    a time writes ``out``: another one there is refused. ``progress``: as :meth:`Trainer.run`.
+    Bad arguments raise :class:`~fp8sim.errors.ArgumentError` naming them."""
+    from fp8sim.errors import ArgumentError
+    from fp8sim.output_dir import output_dir
+    from fp8sim.owned_tree import begin_list, list_files
+    from fp8sim.training.config import ConfigError, TrainConfig
+    from fp8sim.training.model import GPTConfig
+    from fp8sim.recipes import get_recipe
+
+    if not get_recipe(recipe).is_fp8:  # an unknown name: get_recipe's error, naming the known ones
+        raise ArgumentError.about("recipe", f" must be an FP8 recipe, got {recipe!r}")
+    if size not in SIZES:
+        raise ArgumentError.about("size", f" must be one of {', '.join(SIZES)}, got {size!r}")
+    model_kw, batch_size, default_steps = SIZES[size]
+    steps = default_steps if steps is None else steps
+    quick = size == "quick"
+    if not quick and type(steps) is int and steps < 10:
+        raise ArgumentError.about("steps", f" must be >= 10, got {steps}")
+    model = GPTConfig(**model_kw)
+    try:  # every value checked before the previous report is touched
+        base = dict(steps=steps, seed=seed, model=model, eval_every=max(10, steps // 6), eval_batches=4,
+                    checkpoint_every=max(10, steps // 3), batch_size=batch_size)
+        TrainConfig(recipe=recipe, **base)
+    except ConfigError as exc:
+        raise ArgumentError.about(exc.field, f" {exc.rule}") from None
+    except TypeError:  # steps // 6 of a string
+        raise ArgumentError.about("steps", f" must be an integer, got {steps!r}") from None
+    with output_dir(out, "--out") as out:
+        _clear_previous_report(out)
+        begin_list(out, REPORT_LIST, REPORT_SCHEMA)
+        try:
+            fig = _demo(out, recipe, base, quick, progress)
+        except BaseException:  # what this run wrote so far, listed too: a rerun removes exactly that
+            try:
+                list_files(out, REPORT_LIST, REPORT_SCHEMA)
+            except OSError:  # a full disk, say: the list stays incomplete, and a rerun refuses
+                pass  # rather than guess (the first error is the one said)
+            raise
+        list_files(out, REPORT_LIST, REPORT_SCHEMA)
+        return fig
+
+
+def _demo(out: Path, recipe: str, base: dict, quick: bool, progress: bool | None) -> dict:
+    """The demo's work into ``out`` (ready and held: see :func:`run_demo`)."""
     import torch
 
     from fp8sim.analysis.api import analyze, replay
@@ -95,33 +142,17 @@ def run_demo(
     from fp8sim.training import record
     from fp8sim.training.compare import compare_runs, plot_loss_curves
     from fp8sim.training.data import load_corpus
-    from fp8sim.training.model import GPTConfig
-    from fp8sim.recipes import get_recipe
     from fp8sim.training.trainer import TrainConfig, Trainer
 
-    if not get_recipe(recipe).is_fp8:
-        raise ValueError(f"demo: --recipe must be an FP8 recipe, got {recipe!r}")
-    if size not in SIZES:
-        raise ValueError(f"demo: size must be one of {', '.join(SIZES)}, got {size!r}")
-    model_kw, batch_size, default_steps = SIZES[size]
-    steps = default_steps if steps is None else steps
-    quick = size == "quick"
-    if steps < 10 and not quick:
-        raise ValueError(f"demo: --steps must be >= 10, got {steps}")
-    out = Path(out)
-    _clear_previous_report(out)
     t0 = time.perf_counter()
-    model = GPTConfig(**model_kw)
-    base = dict(steps=steps, seed=seed, model=model, eval_every=max(10, steps // 6), eval_batches=4,
-                checkpoint_every=max(10, steps // 3), batch_size=batch_size)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / ".fp8sim-demo").write_text("a report of `fp8sim demo`: a rerun replaces it\n")
+    model, steps = base["model"], base["steps"]
     corpus = load_corpus(max_bytes=(1 << 20) if quick else None)
     _msg(f"corpus {corpus.source}: {corpus.num_bytes:,} bytes from {corpus.num_files} files -> {out}")
 
-    runs = {"bf16": out / "runs" / "bf16", "fp8_torch": out / "runs" / f"{recipe}-torch",
-            "fp8_emulator": out / "runs" / f"{recipe}-emulator"}
-    traces = {"bf16": out / "traces" / "bf16", "fp8_torch": out / "traces" / f"{recipe}-torch"}
+    # the report's directories are made here without following links (never written through one)
+    runs = {"bf16": owned_dir(out, "runs/bf16"), "fp8_torch": owned_dir(out, f"runs/{recipe}-torch"),
+            "fp8_emulator": owned_dir(out, f"runs/{recipe}-emulator")}
+    traces = {"bf16": owned_dir(out, "traces/bf16"), "fp8_torch": owned_dir(out, f"traces/{recipe}-torch")}
     step1_codes: dict[str, dict] = {}
     timings = {}
     for key, rec_name, backend in (("bf16", "bf16", "emulator"), ("fp8_torch", recipe, "torch"),
@@ -158,8 +189,7 @@ def run_demo(
     vs_bf16 = compare_runs(runs["bf16"], runs["fp8_torch"])
 
     # -- analyze, replay, compare -----------------------------------------------------------
-    plots = out / "plots"
-    plots.mkdir(parents=True, exist_ok=True)
+    plots = owned_dir(out, "plots/analyze").parent
     _msg("analyzing the FP8 trace")
     analysis = analyze(str(traces["fp8_torch"]))
     analysis.to_json(out / "analyze.json")
@@ -214,29 +244,18 @@ def run_demo(
 
 
 def _clear_previous_report(out: Path) -> None:
-    """Make ``out`` ready for a report: new, empty, or a previous demo report, whose own entries
-    are removed. Anything else is refused, and nothing is removed then."""
-    import shutil
+    """Make ``out`` (a directory) ready for a report: empty, or a previous demo report, whose own
+    files are removed. Anything else is refused, and nothing is removed then."""
+    from fp8sim.owned_tree import clear_listed, has_list
 
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: exists and is not a directory")
-    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    entries = sorted(os.listdir(out))
     if not entries:
         return
-    if ".fp8sim-demo" not in entries:
+    if not has_list(out, REPORT_LIST):
         raise ValueError(f"--out {out}: exists and is not an empty directory or a demo report (it holds "
                          f"{entries[0]!r}); the demo writes its report into a new one")  # fmt: skip
-    foreign = [e for e in entries if e not in REPORT_ENTRIES]
-    if foreign:
-        raise ValueError(f"--out {out}: a demo report that also holds {foreign[0]!r}, which the demo did not "
-                         "write; move it away, or choose another --out")  # fmt: skip
-    _msg(f"replacing the previous report in {out}")
-    for name in REPORT_ENTRIES:
-        path = out / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
+    clear_listed(out, REPORT_LIST, REPORT_SCHEMA, "--out")
+    _msg(f"replaced the previous report in {out}")
 
 
 def _write_report(out, recipe, fig, vs_bf16, backends, analyze_text, replay_table, replay_bf16, loss_png) -> None:
@@ -314,9 +333,12 @@ def _write_report(out, recipe, fig, vs_bf16, backends, analyze_text, replay_tabl
 
 
 def run(args: argparse.Namespace) -> int:
+    from fp8sim.errors import spelled_as
+
     size = "quick" if args.quick else "full" if args.full else "default"
-    fig = run_demo(args.out, steps=args.steps, recipe=args.recipe, seed=args.seed, size=size,
-                   progress=None)  # a bar on a terminal, else lines (stdout keeps the JSON)
+    with spelled_as({"steps": "--steps", "recipe": "--recipe", "seed": "--seed"}):
+        fig = run_demo(args.out, steps=args.steps, recipe=args.recipe, seed=args.seed, size=size,
+                       progress=None)  # a bar on a terminal, else lines (stdout keeps the JSON)
     if args.json:
         print(json.dumps(fig, indent=2, default=str))
     else:

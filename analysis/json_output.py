@@ -85,7 +85,7 @@ def write_json(path: str | os.PathLike, obj: Any, *, name: str = "path") -> None
     :class:`~fp8sim.errors.ArgumentError` naming ``name`` if it cannot be written."""
     text = json_text(obj) + "\n"
     try:
-        atomic_write(Path(path), lambda f: f.write(text.encode()))
+        atomic_write(Path(path), lambda f: f.write(text.encode()), links="follow")  # the user's path
     except OSError as exc:
         raise ArgumentError.about(name, f" {os.fspath(path)}: cannot write "
                                         f"({exc.strerror or exc})") from None  # fmt: skip

@@ -12,6 +12,7 @@ A run's plot directory is a :class:`PlotDir`: it lists the PNGs it wrote in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -98,17 +99,17 @@ class PlotDir:
     before :meth:`finish` leaves both runs' names listed: the next run clears them). Nothing else
     is ever deleted: only bare ``.png`` names of that directory that the list holds (not one
     this run wrote in another letter case, not a directory; an entry that cannot be removed is
-    left); an unreadable list deletes nothing.
+    left); an unreadable list deletes nothing. From its making to :meth:`finish` the directory
+    is held (:func:`fp8sim.output_dir.output_dir`): a second process plotting there is refused.
     """
 
     MANIFEST = "fp8sim-plots.json"
 
     def __init__(self, directory: str, option: str = "--plot"):
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as exc:
-            raise ValueError(f"{option} {directory}: cannot create directory "
-                             f"({exc.strerror or exc})") from None  # fmt: skip
+        from fp8sim.output_dir import output_dir
+
+        self._held = contextlib.ExitStack()  # the directory's lock, until finish()
+        self._held.enter_context(output_dir(directory, option))
         try:  # writable? asked before any work (a probe file, gone at once)
             tempfile.TemporaryFile(dir=directory).close()
         except OSError as exc:
@@ -136,7 +137,7 @@ class PlotDir:
         doc = {"schema": "fp8sim-plots", "png": sorted(set(names))}
         atomic_write(os.path.join(self.dir, self.MANIFEST),
                      lambda f: f.write(json.dumps(doc, indent=1).encode()),
-                     follow_symlinks=False)  # fmt: skip
+                     links="replace")  # fmt: skip
 
     def path(self, name: str) -> str:
         """Where the PNG ``name`` (a bare file name ending in .png) goes; listed first."""
@@ -147,8 +148,20 @@ class PlotDir:
             self._write_list(self._before + self._written)
         return os.path.join(self.dir, name)
 
+    def __del__(self) -> None:
+        held = getattr(self, "_held", None)
+        if held is not None:
+            held.close()
+
     def finish(self) -> None:
-        """List only this run's PNGs, then delete the earlier runs' that it did not write."""
+        """List only this run's PNGs, then delete the earlier runs' that it did not write; the
+        directory is let go."""
+        try:
+            self._clear_earlier()
+        finally:
+            self._held.close()
+
+    def _clear_earlier(self) -> None:
         self._write_list(self._written)
         mine = {n.casefold() for n in self._written}
         for name in sorted(set(self._before)):

@@ -38,7 +38,7 @@ from fp8sim.analysis.report import (
     text_table,
 )
 from fp8sim.analysis.trace_summary import TraceSummary, sort_worst_first_trace
-from fp8sim.errors import ArgumentError
+from fp8sim.errors import ArgumentError, expect_int
 
 __all__ = ["AnalysisResult", "ReplayResult", "Log2Histogram"]
 
@@ -69,8 +69,8 @@ def _pandas(what: str):
 
 
 def _check_top(top: int | None) -> int | None:
-    if top is not None and top < 0:
-        raise ArgumentError.about("top", f" must be >= 0 (0 prints every row), got {top}")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+        raise ArgumentError.about("top", f" must be an integer >= 0 (0 prints every row) or None, got {top!r:.40}")
     return top or None
 
 
@@ -152,10 +152,11 @@ class AnalysisResult:
     def worst(self, n: int = 10) -> list[TensorRecord | TraceTensorRecord]:
         """The ``n`` worst records, trace tensors included: by status, then overflow share,
         underflow share (descending), SQNR (ascending; undefined last), name."""
+        expect_int(n, "n", lowest=0)
         rows = [*self.records, *(t for tr in self.traces for t in tr.tensors)]
         dicts = [r.to_dict() for r in rows]
         by_id = {id(d): r for d, r in zip(dicts, rows)}
-        return [by_id[id(d)] for d in sort_worst_first(dicts)[: max(0, n)]]
+        return [by_id[id(d)] for d in sort_worst_first(dicts)[:n]]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object (docs/cli.md): variants, records, traces, notes, errors, summary,
@@ -343,12 +344,14 @@ class ReplayResult:
     def worst(self, n: int = 10) -> list[ReplayRecord]:
         """The ``n`` worst records over all policies: by overflow share, then underflow share
         (descending; bracket midpoints), then policy and record order."""
+        expect_int(n, "n", lowest=0)
+
         def share(pair: tuple) -> float:
             return -math.inf if pair[0] is None else (pair[0] + pair[1]) / 2
 
         order = sorted(range(len(self.records)), key=lambda i: (
             -share(self.records[i].overflow_share), -share(self.records[i].underflow_share), i))
-        return [self.records[i] for i in order[: max(0, n)]]
+        return [self.records[i] for i in order[:n]]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object (docs/cli.md): trace, rounding, policies, records (per policy),

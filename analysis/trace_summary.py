@@ -54,8 +54,11 @@ def _per_step(tensor: np.ndarray, step: np.ndarray, *cols: np.ndarray):
     (micro-batches). Returns (tensor, step, *summed cols), in (tensor, step) order."""
     keys, inv = np.unique(np.stack([tensor, step], axis=1), axis=0, return_inverse=True)
     inv = inv.reshape(-1)
-    # float64 weights: counts below 2**53 add up exactly
-    sums = [np.bincount(inv, weights=c, minlength=len(keys)).astype(np.int64) for c in cols]
+    sums = []
+    for c in cols:  # int64 sums: exact, as a tensor's counts add up to at most 2**62 (the reader checks)
+        s = np.zeros(len(keys), np.int64)
+        np.add.at(s, inv, c.astype(np.int64))
+        sums.append(s)
     return (keys[:, 0], keys[:, 1], *sums)
 
 

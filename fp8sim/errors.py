@@ -5,14 +5,21 @@ A library function names its *parameters* when an argument is bad (``margin: ...
 :class:`ArgumentError` carries the message with the parameter names marked, so the command can
 say the same sentence with its flags (:meth:`ArgumentError.spelled`, :func:`spelled_as`). It is a
 ``ValueError``: like every other bad input, it is one line and exit code 2 on the command line.
+
+The ``expect_*`` functions check one argument's type and range and return it, or raise
+:class:`ArgumentError` naming it (``pow2 must be True or False, got 'no'``): a library call
+never takes ``"no"`` for a flag or 1.5 for a count silently, nor fails later with an
+AttributeError of its own.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from contextlib import contextmanager
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
-__all__ = ["ArgumentError", "spelled_as"]
+__all__ = ["ArgumentError", "spelled_as", "expect_bool", "expect_int", "expect_real", "expect_str", "expect_names"]
 
 
 class ArgumentError(ValueError):
@@ -57,3 +64,49 @@ def spelled_as(names: Mapping[str, str]) -> Iterator[None]:
         yield
     except ArgumentError as exc:
         raise ValueError(exc.spelled(names)) from None
+
+
+def _got(value: Any) -> str:
+    return f"got {value!r:.60}" if isinstance(value, (str, int, float)) else f"got a {type(value).__name__}"
+
+
+def expect_bool(value: Any, name: str) -> bool:
+    """``value`` if it is True or False (not 1, not ``"no"``), else :class:`ArgumentError`."""
+    if not isinstance(value, bool):
+        raise ArgumentError.about(name, f" must be True or False, {_got(value)}")
+    return value
+
+
+def expect_int(value: Any, name: str, *, lowest: int, optional: bool = False) -> int | None:
+    """``value`` as an int if it is an integer (a Python or numpy one; not a bool, not 1.5)
+    >= ``lowest`` (or None where ``optional``), else :class:`ArgumentError`."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lowest:
+        raise ArgumentError.about(name, f" must be an integer >= {lowest}, {_got(value)}")
+    return int(value)
+
+
+def expect_real(value: Any, name: str, *, finite: bool = True) -> float:
+    """``value`` as a float if it is a real number (a Python or numpy int or float, not a bool
+    or a string; finite unless ``finite=False``), else :class:`ArgumentError`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or (finite and not math.isfinite(value)):
+        raise ArgumentError.about(name, f" must be a {'finite ' if finite else ''}number, {_got(value)}")
+    return float(value)
+
+
+def expect_str(value: Any, name: str, *, optional: bool = False) -> str | None:
+    """``value`` if it is a string (or None where ``optional``), else :class:`ArgumentError`."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise ArgumentError.about(name, f" must be a string, {_got(value)}")
+    return value
+
+
+def expect_names(value: Any, name: str) -> str | Sequence[str]:
+    """``value`` if it is a string or a list/tuple of strings (``"e4m3,e5m2"``, ``["e4m3"]``),
+    else :class:`ArgumentError`."""
+    if isinstance(value, str) or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
+        return value
+    raise ArgumentError.about(name, f" must be a string or a list of strings, {_got(value)}")

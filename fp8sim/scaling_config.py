@@ -137,9 +137,6 @@ class ScalingConfig:
         return self.JUST_IN_TIME
 
 
-        return policy_class(type(self))(self)
-
-
 def plain_value(v: Any) -> Any:
     return v.value if isinstance(v, Enum) else v
 

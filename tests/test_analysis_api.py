@@ -179,7 +179,7 @@ def test_keep_going_lists_bad_inputs(tmp_path):
      "--fp8-block applies with --scales apply only"),
     (dict(fp8_scales="apply", fp8_block="12"), ("fp8_block",), "--fp8-block '12': expected RxC"),
     (dict(fp8_scales="both"), ("fp8_scales",), "--scales 'both': valid: stored, apply"),
-    (dict(chunk=0), ("chunk",), "--chunk must be >= 1, got 0"),
+    (dict(chunk=0), ("chunk",), "--chunk must be an integer >= 1, got 0"),
 ])  # fmt: skip
 def test_argument_errors_name_parameters(kwargs, names, flags):
     from fp8sim.analysis.commands import ANALYZE_FLAGS
@@ -193,7 +193,7 @@ def test_argument_errors_name_parameters(kwargs, names, flags):
 
 def test_other_argument_errors():
     res = analyze(np.ones(4, np.float32))
-    with pytest.raises(ArgumentError, match=r"^top must be >= 0"):
+    with pytest.raises(ArgumentError, match=r"^top must be an integer >= 0"):
         res.table(top=-1)
     with pytest.raises(ArgumentError, match=r"^inputs: expected a path, a numpy array"):
         analyze(42)

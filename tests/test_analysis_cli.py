@@ -207,6 +207,7 @@ def test_a_plot_is_listed_before_it_is_written(tmp_path):
     (d / stopped.path("0000_b.png")).write_bytes(b"2")  # then interrupted: no finish()
     listed = json.loads((d / "fp8sim-plots.json").read_text())["png"]
     assert listed == ["0000_a.png", "0000_b.png"]
+    del stopped  # its process ends: the directory is let go
     nxt = PlotDir(str(d))
     (d / nxt.path("0000_c.png")).write_bytes(b"3")
     nxt.finish()

@@ -1,6 +1,7 @@
-"""fp8sim.atomic_file.atomic_write: whole-or-nothing for regular files, links followed, and
-device nodes / FIFOs written in place (a rename over them would replace the node itself:
-``--json /dev/null`` run as root used to turn /dev/null into a regular file)."""
+"""fp8sim.atomic_file.atomic_write: whole-or-nothing for regular files; in a path the user named
+(``links="follow"``) links followed and device nodes / FIFOs written in place (a rename over them
+would replace the node itself: ``--json /dev/null`` run as root used to turn /dev/null into a
+regular file); fp8sim's own files never written through a link (tests/test_hostile_links.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_regular_file_replaced_whole_and_link_followed(tmp_path):
     target.write_text("old")
     link = tmp_path / "link.json"
     link.symlink_to(target)
-    atomic_write(link, lambda f: f.write(b"new"))
+    atomic_write(link, lambda f: f.write(b"new"), links="follow")  # a path the user named
     assert link.is_symlink() and target.read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.json", "link.json"]  # no temp
     with pytest.raises(RuntimeError):  # a failing write leaves the old content, no temp file
@@ -48,7 +49,7 @@ def test_fifo_written_in_place(tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     t, got = read_fifo_in_background(fifo)
-    atomic_write(fifo, lambda f: f.write(b"through the pipe"))
+    atomic_write(fifo, lambda f: f.write(b"through the pipe"), links="follow")
     t.join(10)
     assert got == [b"through the pipe"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
 
@@ -59,7 +60,7 @@ def test_character_device_stays_a_device(tmp_path):
         os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null of our own
     except (PermissionError, OSError) as exc:
         pytest.skip(f"cannot make a device node here ({exc})")
-    atomic_write(dev, lambda f: f.write(b"discarded"))
+    atomic_write(dev, lambda f: f.write(b"discarded"), links="follow")
     assert stat.S_ISCHR(os.stat(dev).st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["null"]
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fp8sim import cli
+from tests.conftest import FullDisk as _FullDisk
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "1", "--block-size", "16", "--batch-size", "4",
          "--warmup", "1", "--eval-every", "0"]
@@ -27,27 +28,6 @@ def corpus(tmp_path):
     p = tmp_path / "corpus.txt"
     p.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(600)))
     return p
-
-
-class _FullDisk:
-    """A file object whose writes stop half way with ENOSPC, as a full disk does."""
-
-    def __init__(self, f):
-        self._f = f
-
-    def write(self, data):
-        self._f.write(data[: len(data) // 2])
-        self._f.flush()
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._f.close()
 
 
 def fill_disk_for(monkeypatch, name: str) -> None:

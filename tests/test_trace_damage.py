@@ -180,3 +180,61 @@ def test_a_tensor_recorded_twice_in_a_step_reads(tmp_path):
             for _ in range(2):
                 tw.record(s, "a", np.ones(4, np.float32), scale=1.0)
     assert len(list(TraceReader(tmp_path / "t").records())) == 6
+
+
+def _rewrite_chunk(path: Path, change) -> None:
+    with np.load(path) as z:
+        cols = {k: z[k] for k in z.files}
+    change(cols)
+    np.savez_compressed(path, **cols)
+
+
+def test_counts_that_would_wrap_when_summed_are_refused(tmp_path, capsys):
+    """Issue 30: 1100 records of 2**53 values each sum past int64 (numel -7.6e18, underflow
+    -70%, status ok, and --fail-on passing); such a trace is refused by name, by both commands."""
+    t = make(tmp_path / "t", steps=1100, chunk_steps=1100)
+
+    def huge(cols):
+        hist = cols["numel"] - cols["zero"] - cols["nan"] - cols["inf"]
+        cols["numel"] = np.full_like(cols["numel"], 2**53)
+        cols["zero"] = cols["numel"] - cols["nan"] - cols["inf"] - hist  # still consistent per record
+
+    _rewrite_chunk(chunks(t)[0], huge)
+    from fp8sim.analysis import analyze
+
+    with pytest.raises(ValueError, match=r"damaged trace: the numel counts of 'a' add up to about 9.91e\+18"):
+        analyze(str(t))
+    for argv in (["analyze", str(t), "--fail-on", "underflow>1%"],
+                 ["replay", str(t), "--policy", "current", "--fail-on", "underflow>1%"]):  # fmt: skip
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{t}: damaged trace: the numel counts of 'a'" in err, err
+
+
+def test_a_chunk_of_another_trace_is_refused_naming_both(tmp_path, capsys):
+    a, b = make(tmp_path / "a"), make(tmp_path / "b")
+    ida, idb = (json.loads((t / "trace.json").read_text())["trace_id"] for t in (a, b))
+    assert ida != idb and len(ida) == 32
+    shutil.copy(chunks(b)[1], chunks(a)[1])  # the same name and steps, another trace's records
+    with pytest.raises(ValueError) as e:
+        TraceReader(a).scalars()
+    assert str(e.value) == (f"{chunks(a)[1]}: a chunk of another trace (id {idb}), not of {a} (id {ida}); "
+                            "refused: copied in from elsewhere?")  # fmt: skip
+    rc, err = replay(capsys, a)
+    assert rc == 2 and f"a chunk of another trace (id {idb}), not of {a}" in err
+    _rewrite_chunk(chunks(a)[1], lambda cols: cols.pop("trace_id"))  # one without an id: refused too
+    with pytest.raises(ValueError, match="a chunk without a trace id, not of"):
+        TraceReader(a).scalars()
+
+
+def test_a_trace_of_an_older_version_has_no_ids_and_still_reads(tmp_path):
+    t = make(tmp_path / "t")
+    meta = json.loads((t / "trace.json").read_text())
+    del meta["trace_id"]
+    (t / "trace.json").write_text(json.dumps(meta))
+    for c in chunks(t):
+        _rewrite_chunk(c, lambda cols: cols.pop("trace_id"))
+    assert TraceReader(t).steps().tolist() == [0, 1, 2, 3, 4, 5]
+    with TraceWriter(t, mode="a") as tw:  # appended to: its new chunks carry no id either
+        tw.record(6, "a", np.ones(64, np.float32), scale=1.0)
+    assert TraceReader(t).steps().tolist() == list(range(7))

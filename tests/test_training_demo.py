@@ -12,7 +12,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_demo_quick_writes_report_shows_progress_and_reruns(tmp_path, capsys, monkeypatch):
     """One quick demo: its report and figures, progress lines without a terminal; run again into
-    the same folder it replaces its own report (and only that); a foreign file makes it refuse."""
+    the same folder it replaces its own report (and only that); a file of somebody else's
+    anywhere inside, or a file of its own changed since, makes it refuse, deleting nothing."""
     from fp8sim.training import trainer
 
     monkeypatch.setattr(trainer, "PROGRESS_LINE_S", 0.0)  # a line per step
@@ -35,17 +36,27 @@ def test_demo_quick_writes_report_shows_progress_and_reruns(tmp_path, capsys, mo
     # capsys's stderr is not a terminal: progress comes as lines
     assert "bf16/emulator: step 12/12, loss" in captured.err and "te-delayed/torch: step 1/12, loss" in captured.err
 
-    # run again into the same folder: the demo's own report is replaced, nothing else touched
-    (out / "runs" / "bf16" / "stale.txt").write_text("from the first run")  # inside its own entries
-    (out / "notes.md").write_text("mine")  # a file the demo did not write: refused, nothing removed
+    # run again into the same folder: the demo's own report is replaced, nothing else touched --
+    # anywhere inside it (issue 30: a user's run put under runs/ was deleted with the report)
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    mine = out / "runs" / "my-3-day-run" / "checkpoint.pt"
+    mine.parent.mkdir()
+    mine.write_text("three days of training")
     assert cli.main(["demo", "--quick", "--out", str(out)]) == 2
-    assert "also holds 'notes.md', which the demo did not write" in capsys.readouterr().err
-    assert (out / "notes.md").read_text() == "mine" and (out / "runs" / "bf16" / "stale.txt").is_file()
-    (out / "notes.md").unlink()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds 'runs/my-3-day-run/checkpoint.pt', a file fp8sim did not write" in err, err
+    assert mine.read_text() == "three days of training"
+    assert sorted(p for p in out.rglob("*") if p.is_file()) == sorted(files + [mine])  # nothing deleted
+    mine.unlink()
+    mine.parent.rmdir()
+    (out / "plots" / "policies.png").write_bytes(b"edited")  # a listed file changed since: the user's now
+    assert cli.main(["demo", "--quick", "--out", str(out)]) == 2
+    assert "'plots/policies.png' changed since fp8sim wrote it" in capsys.readouterr().err
+    (out / "plots" / "policies.png").unlink()
     from fp8sim.analysis.demo import _clear_previous_report
 
     _clear_previous_report(out)  # what a rerun does first (the rest is the run above)
-    assert "replacing the previous report" in capsys.readouterr().err
+    assert "replaced the previous report" in capsys.readouterr().err
     assert list(out.iterdir()) == []
 
 

@@ -73,9 +73,15 @@ def test_resume_before_the_first_checkpoint_starts_again(tmp_path, capsys, corpu
 def test_resume_with_the_wrong_rank_count_says_so(tmp_path, capsys, corpus):
     out = tmp_path / "r"
     assert train(capsys, corpus, "--steps", "2", "--nproc", "2", "--out", out)[0] == 0
+    rc, _, err = train(capsys, corpus, "--steps", "2", "--out", out, "--resume", "--nproc", "1")
+    assert rc == 2 and "--nproc 1: the run in --out was trained with 2; leave the option out" in err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]  # nothing wiped
+    # a run directory of an older fp8sim (config.json without the options): said with advice
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["options"]
+    (out / "config.json").write_text(json.dumps(cfg))
     rc, _, err = train(capsys, corpus, "--steps", "2", "--out", out, "--resume")
     assert rc == 2 and "checkpointed by 2 data-parallel rank(s); resume it with --nproc 2" in err
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]  # nothing wiped
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "text", "a list", "no model"])
@@ -276,7 +282,9 @@ def test_killed_before_the_first_metrics_row_with_a_trace(tmp_path, capsys, corp
     ref = tmp_path / "ref"  # the config.json this run writes (a restart checks it is the same)
     assert train(capsys, corpus, "--recipe", "te-delayed", "--steps", "2", "--out", ref)[0] == 0
     out.mkdir()
-    (out / "config.json").write_text((ref / "config.json").read_text())
+    cfg = json.loads((ref / "config.json").read_text())  # as this run's: its own options
+    cfg["options"].update(record=str(trace), nproc=nproc)
+    (out / "config.json").write_text(json.dumps(cfg))
     for sub in ([trace / f"rank{r}" for r in range(nproc)] if nproc > 1 else [trace]):
         TraceWriter(sub).close()  # an empty trace, as a run killed at once leaves it
     rc, _, err = train(capsys, corpus, *args)
@@ -333,12 +341,19 @@ def test_outputs_never_inside_the_training_data(tmp_path, capsys, corpus):
         assert sorted(p.name for p in data.iterdir()) == ["text.txt"]
 
 
-def test_a_resume_never_appends_to_another_runs_trace(tmp_path, capsys, corpus):
+def test_a_resume_never_appends_to_another_runs_trace(tmp_path, capsys, corpus, monkeypatch):
+    from tests.conftest import train_stopped_after
+
     base = ["--recipe", "te-delayed", "--steps", "4", "--checkpoint-every", "2"]
     assert train(capsys, corpus, *base, "--out", tmp_path / "a", "--record", tmp_path / "ta")[0] == 0
     chunks = sorted((tmp_path / "ta" / "chunks").iterdir())
     before = [p.read_bytes() for p in chunks]
-    assert train(capsys, corpus, *base, "--out", tmp_path / "b")[0] == 0
+    train_stopped_after(monkeypatch, capsys, 2, "--data", corpus, *SMALL, *base, "--out", tmp_path / "b")
+    rc, _, err = train(capsys, corpus, *base, "--out", tmp_path / "b", "--resume", "--record", tmp_path / "ta")
+    assert rc == 2 and f"--record {tmp_path / 'ta'}: the run in --out was trained with None" in err
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    del cfg["options"]  # a run directory of an older fp8sim: --record is taken as given
+    (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
     rc, _, err = train(capsys, corpus, *base, "--out", tmp_path / "b", "--resume", "--record", tmp_path / "ta")
     assert rc == 2 and "holds the trace of another run (its run_dir differs" in err
     assert [p.read_bytes() for p in sorted((tmp_path / "ta" / "chunks").iterdir())] == before

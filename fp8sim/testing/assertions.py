@@ -185,6 +185,19 @@ def code_rows(x: np.ndarray, expected: np.ndarray, received: np.ndarray, bad: np
             f"{shown}:\n" + rep.table(header, rows))
 
 
+def check_search_args(max_examples: Any, hypothesis_seed: Any, max_report: Any, exact_nan: Any) -> None:
+    """:class:`~fp8sim.errors.ArgumentError` naming the argument unless ``max_examples`` is an
+    int >= 0 (a negative count would skip the search silently), ``hypothesis_seed`` an int or
+    None, ``max_report`` an int >= 1 and ``exact_nan`` True or False."""
+    from fp8sim.errors import ArgumentError, expect_bool, expect_int
+
+    expect_int(max_examples, "max_examples", lowest=0)
+    if hypothesis_seed is not None and (isinstance(hypothesis_seed, bool) or not isinstance(hypothesis_seed, int)):
+        raise ArgumentError.about("hypothesis_seed", f" must be an integer or None, got {hypothesis_seed!r:.40}")
+    expect_int(max_report, "max_report", lowest=1)
+    expect_bool(exact_nan, "exact_nan")
+
+
 def search_draws(strategy: Any, check: Callable[..., bool], max_examples: int,
                  hypothesis_seed: int | None, name: str, what: str) -> None:
     """Let hypothesis look for a draw ``check`` fails on; report the shrunk one through
@@ -239,8 +252,10 @@ def assert_bitexact(
     On a mismatch: AssertionError listing the count and the first ``max_report`` mismatches
     (index, input value and bits, expected and received code in hex, sign.exponent.mantissa
     and decoded value). ``msg``: a string put above the report, or a callable that gets the
-    report and returns the message.
+    report and returns the message. A bad argument (``max_examples=-1``) raises
+    :class:`~fp8sim.errors.ArgumentError` naming it.
     """
+    check_search_args(max_examples, hypothesis_seed, max_report, exact_nan)
     fmt = get_format(fmt)
     kw = dict(rounding=rounding, saturate=saturate, seed=seed, srbits=srbits)
     call = call_repr("fp8sim.encode", fmt, kw)

@@ -24,6 +24,7 @@ from fp8sim.testing.assertions import (
     bad_codes,
     call_repr,
     check_hypothesis,
+    check_search_args,
     code_rows,
     search_draws,
     received_codes,
@@ -162,8 +163,13 @@ def assert_scaled_bitexact(
     On a mismatch: AssertionError with the case, the shape, then the scale_inv mismatches
     (group, amax, expected, received) and the code mismatches (index, input, the float32
     product ``x * scale`` the reference casts, expected and received code). ``msg`` as in
-    :func:`assert_bitexact`.
+    :func:`assert_bitexact`. A bad argument (``max_examples=-1``, ``pow2="no"``) raises
+    :class:`~fp8sim.errors.ArgumentError` naming it.
     """
+    from fp8sim.errors import expect_bool
+
+    check_search_args(max_examples, hypothesis_seed, max_report, exact_nan)
+    expect_bool(pow2, "pow2")
     fmt = get_format(fmt)
     gran = parse_granularity(granularity)
     kw = dict(rounding=rounding, saturate=saturate, seed=seed, srbits=srbits)

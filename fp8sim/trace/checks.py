@@ -19,6 +19,11 @@ one-dimensional, integer columns of an integer dtype and float columns of a floa
 verdict ``analyze`` and ``replay`` both act on), and every integer within ``0..2**62`` (counts
 within :data:`MAX_COUNT`), so that no sum or difference the checks form wraps around in int64
 (a uint64 count of ``2**64 - 1`` must not pass for ``-1``).
+
+Across chunks: every chunk carries its trace's id (:func:`check_chunk_identity`: a chunk copied
+in from another trace is refused, naming both), and one tensor's counts over the whole trace add
+up to at most :data:`MAX_TOTAL` (:func:`check_count_totals`), so no figure summed from them is
+inexact or wraps (1100 records of 2**53 values each would).
 """
 
 from __future__ import annotations
@@ -32,13 +37,18 @@ from fp8sim.trace.histogram import COUNT_ROUNDINGS
 from fp8sim.trace.layout import SCALAR_COLUMNS
 
 __all__ = ["check_catalogue", "check_chunk_columns", "check_chunk_sequence", "check_chunk_values",
-           "MAX_COUNT"]  # fmt: skip
+           "check_chunk_identity", "check_count_totals", "MAX_COUNT", "MAX_TOTAL"]  # fmt: skip
 
 #: the largest element count a record may hold (2**53: exact in float64 too); a sum of the four
 #: counts of a record stays far inside int64
 MAX_COUNT = 2**53
+#: the largest sum of one tensor's counts over the whole trace (its numel over every step, say):
+#: every sum of a column a reader forms is then exact in int64 (< 2**63), and none wraps around
+MAX_TOTAL = 2**61
 #: the largest step or index a column may hold
 _MAX_INDEX = 2**62
+#: the counts of a record
+_COUNT_COLUMNS = ("numel", "zero", "nan", "inf", "overflow", "underflow")
 #: chunk columns of floats; every other column holds integers
 _FLOAT_COLUMNS = ("amax", "scale")
 _HIST_COLUMNS = ("hist_offsets", "hist_bins", "hist_counts")
@@ -155,3 +165,36 @@ def check_chunk_values(path: Path, cols: dict[str, np.ndarray], first: int, last
     rises[starts[(starts > 0) & (starts < bins.size)] - 1] = True
     if not rises.all():
         bad("histogram bins not ascending within a record")
+
+
+def check_chunk_identity(path: Path, cols: dict[str, np.ndarray], trace: Path, trace_id: str | None) -> None:
+    """Take the ``trace_id`` entry out of a chunk's columns and check it: ValueError naming the
+    chunk, its trace's id, ``trace`` and its id, unless the chunk is ``trace``'s (the same id;
+    a trace of an older fp8sim has none, and neither have its chunks). A chunk copied in from
+    another trace is refused: its records would be credited to this trace's tensors."""
+    raw = cols.pop("trace_id", None)
+    if raw is not None and not (raw.ndim == 0 and raw.dtype.kind == "U"):
+        raise ValueError(f"{path}: corrupt trace chunk: trace_id is {raw.dtype} of shape {raw.shape}, not a string")
+    own = None if raw is None else str(raw)
+    if own != trace_id:
+        whose = f"a chunk of another trace (id {own})" if own is not None else "a chunk without a trace id"
+        mine = f"id {trace_id}" if trace_id is not None else "which has no id: an older fp8sim's"
+        raise ValueError(f"{path}: {whose}, not of {trace} ({mine}); refused: copied in from elsewhere?")
+
+
+def check_count_totals(trace: Path, tensor: np.ndarray, cols: dict[str, np.ndarray], names: list[str]) -> None:
+    """ValueError naming ``trace`` and the tensor unless each tensor's counts (``tensor``: the
+    catalogue index of every record) add up to at most :data:`MAX_TOTAL`: a figure summed past
+    it could not be exact (nor wrap-free) in int64, and no run records that many values."""
+    if tensor.size == 0:
+        return
+    for c in _COUNT_COLUMNS:
+        # float64 sums cannot wrap; their relative error (n * 2**-53, n records) leaves the exact
+        # sum of a total that passes below 2**62, far inside int64
+        totals = np.bincount(tensor, weights=cols[c].astype(np.float64))
+        worst = int(np.argmax(totals))
+        if totals[worst] > MAX_TOTAL:
+            name = names[worst] if worst < len(names) else f"#{worst}"
+            raise ValueError(f"{trace}: damaged trace: the {c} counts of {name!r} add up to about "
+                             f"{totals[worst]:.3g}, past 2**61 (no run records that many values); "
+                             "refused rather than summed inexactly")  # fmt: skip

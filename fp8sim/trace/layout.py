@@ -6,7 +6,8 @@ A trace is a directory::
     chunks/chunk-000000-s00000000-00000049.npz  per-step scalars + histograms, whole steps only
     tensors/00000100-00003.safetensors          optional full tensor (step 100, tensor #3)
 
-``trace.json``: ``{"schema": "fp8sim-trace", "version": 1, "config": {...run config...},
+``trace.json``: ``{"schema": "fp8sim-trace", "version": 1, "trace_id": "<32 hex digits>",
+"config": {...run config...},
 "rounding": "rne", "chunk_steps": N, "hist": {"mantissa_bits": k, "exponent_min": -150,
 "exponent_max": 128}, "formats": [names], "tensors": [{"name", "role", "format", "shape"}]}``.
 Roles: :data:`ROLES`.
@@ -14,7 +15,8 @@ Roles: :data:`ROLES`.
 Each chunk holds one row per (step, tensor) record, columnar (see :data:`SCALAR_COLUMNS`):
 ``step, tensor`` (catalogue index), ``format`` (index into ``formats``), ``numel, zero, nan, inf,
 amax, scale, overflow, underflow``, plus a sparse histogram per row (``hist_offsets`` into
-``hist_bins`` / ``hist_counts``).
+``hist_bins`` / ``hist_counts``), and ``trace_id``: its trace's id (a string), so a chunk copied
+in from another trace is refused (traces of older versions have no id, nor have their chunks).
 
 Scale convention: ``scale`` is the multiplier applied before the cast, as in
 ``fp8sim.scaling``: ``codes = encode(float32(float32(x) * float32(scale)))`` -- the input taken

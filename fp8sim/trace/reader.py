@@ -13,7 +13,14 @@ import numpy as np
 from fp8sim.input_files import open_regular, read_json, require_regular_file
 from fp8sim.trace import layout
 from fp8sim.trace.block_columns import block_record, check_block_columns
-from fp8sim.trace.checks import check_catalogue, check_chunk_columns, check_chunk_sequence, check_chunk_values
+from fp8sim.trace.checks import (
+    check_catalogue,
+    check_chunk_columns,
+    check_chunk_identity,
+    check_chunk_sequence,
+    check_chunk_values,
+    check_count_totals,
+)
 from fp8sim.trace.histogram import AbsHistogram, num_bins
 from fp8sim.trace.layout import (
     CHUNK_RE,
@@ -129,6 +136,9 @@ class TraceReader:
         except Exception as exc:  # missing keys, wrong types: one line naming the file
             raise ValueError(f"{meta_path}: corrupt trace.json: {type(exc).__name__}: {exc}") from None
         self.meta = meta
+        self.trace_id = meta.get("trace_id")  # None: a trace of an older fp8sim
+        if self.trace_id is not None and not isinstance(self.trace_id, str):
+            raise ValueError(f"{meta_path}: corrupt trace.json: trace_id {self.trace_id!r:.40} is not a string")
         self.config = config
         self.rounding = rounding
         self.hist_mantissa_bits = hist_bits
@@ -159,6 +169,7 @@ class TraceReader:
             raise ValueError(f"{path}: corrupt trace chunk ({type(exc).__name__}: {exc})") from None
         except Exception as exc:  # zipfile/OSError: a corrupt chunk
             raise ValueError(f"{path}: corrupt trace chunk ({type(exc).__name__}: {exc})") from None
+        check_chunk_identity(path, cols, self.path, self.trace_id)  # this trace's, not a copy's
         check_chunk_columns(path, cols)  # every column there, 1-D, of its kind, lengths agree
         check_block_columns(path, cols)
         if cols["tensor"].size and int(cols["tensor"].max()) >= len(self.tensors):
@@ -194,7 +205,9 @@ class TraceReader:
     def scalars(self, name: str | None = None) -> dict[str, np.ndarray]:
         """Per-record scalar columns (:data:`SCALAR_COLUMNS`) over all chunks, in record order;
         only ``name``'s records if given. ``tensor`` is the catalogue index, ``format`` an
-        index into ``self.formats``."""
+        index into ``self.formats``. Each tensor's counts add up to at most
+        :data:`~fp8sim.trace.checks.MAX_TOTAL` (else ValueError: a damaged trace), so every sum
+        of them a caller forms in int64 is exact."""
         tid = self.tensor(name).index if name is not None else None
         out: dict[str, list[np.ndarray]] = {c: [] for c in SCALAR_COLUMNS}
         for p in self.chunk_files:
@@ -202,10 +215,12 @@ class TraceReader:
             sel = slice(None) if tid is None else cols["tensor"] == tid
             for c in SCALAR_COLUMNS:
                 out[c].append(cols[c][sel])
-        return {
+        cols = {
             c: (np.concatenate(v) if v else np.zeros(0, dt))
             for (c, v), dt in zip(out.items(), COLUMN_DTYPES)
         }
+        check_count_totals(self.path, cols["tensor"], cols, [t.name for t in self.tensors])
+        return cols
 
     def _record(self, cols: dict[str, np.ndarray], i: int) -> TraceRecord:
         off = cols["hist_offsets"]

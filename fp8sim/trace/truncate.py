@@ -36,9 +36,11 @@ def _keep_rows(cols: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.nd
     """The chunk's columns for the rows where ``keep`` is True (histograms re-packed)."""
     off = cols["hist_offsets"]
     rows = np.flatnonzero(keep)
-    out = {k: v[keep] for k, v in cols.items()
-           if k not in ("hist_offsets", "hist_bins", "hist_counts") and not is_block_column(k)}
+    whole = ("hist_offsets", "hist_bins", "hist_counts", "trace_id")  # trace_id: the chunk's, kept as is
+    out = {k: v[keep] for k, v in cols.items() if k not in whole and not is_block_column(k)}
     out.update(keep_block_rows(cols, keep))
+    if "trace_id" in cols:
+        out["trace_id"] = cols["trace_id"]
     pieces = [slice(int(off[i]), int(off[i + 1])) for i in rows]
     sizes = np.array([s.stop - s.start for s in pieces], dtype=np.int64)
     out["hist_offsets"] = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -50,10 +52,16 @@ def _keep_rows(cols: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.nd
 def truncate_trace(path: str | os.PathLike, step: int) -> tuple[int, int | None]:
     """Remove every record and saved tensor of a step after ``step`` from the trace at ``path``.
 
-    Returns ``(next chunk sequence number, last step still stored or None)``.
+    Returns ``(next chunk sequence number, last step still stored or None)``. Only the trace's
+    own files are removed: a ``chunks`` or ``tensors`` that is a symbolic link is refused (the
+    files of the directory it points to are not the trace's).
     """
     path = Path(path)
     step = int(step)
+    for sub in (CHUNK_DIR, TENSOR_DIR):
+        if (path / sub).is_symlink():
+            raise ValueError(f"{path / sub}: a symbolic link where the trace keeps its own directory; "
+                             "refused (nothing is removed or written through it)")  # fmt: skip
     listed = {c[3] for c in list_chunks(path)}
     if (path / CHUNK_DIR).is_dir():  # the longer twin a previous interrupted truncation left
         for f in (path / CHUNK_DIR).iterdir():
@@ -69,7 +77,7 @@ def truncate_trace(path: str | os.PathLike, step: int) -> tuple[int, int | None]
             kept = _keep_rows(cols, cols["step"] <= step)
             new_last = int(kept["step"].max()) if kept["step"].size else first
             name = chunk_file_name(seq, first, new_last)
-            atomic_write(path / CHUNK_DIR / name, lambda fh: np.savez_compressed(fh, **kept))
+            atomic_write(path / CHUNK_DIR / name, lambda fh: np.savez_compressed(fh, **kept), root=path)
             if name != f.name:
                 f.unlink()
     tdir = path / TENSOR_DIR

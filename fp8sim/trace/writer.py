@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -30,11 +31,13 @@ from fp8sim.trace.block_columns import block_columns
 from fp8sim.trace.statistics import HistogramCounts, histogram_and_counts
 from fp8sim.trace.layout import (
     CHUNK_DIR,
+    CHUNK_RE,
     COLUMN_DTYPES,
     ROLES,
     SCALAR_COLUMNS,
     SCHEMA,
     TENSOR_DIR,
+    TENSOR_RE,
     TRACE_JSON,
     VERSION,
     chunk_file_name,
@@ -121,13 +124,16 @@ class TraceWriter:
                 raise ValueError(
                     f"{self.path} already holds a trace; use mode='a' to append or overwrite=True"
                 )
-            if overwrite and self.path.exists():
-                for sub in (CHUNK_DIR, TENSOR_DIR):
-                    for f in (self.path / sub).glob("*"):
-                        f.unlink()
+            if overwrite and self.path.exists():  # the old trace's files only, never anything else
+                for sub, own in ((CHUNK_DIR, CHUNK_RE), (TENSOR_DIR, TENSOR_RE)):
+                    d = self.path / sub
+                    for f in d.iterdir() if d.is_dir() and not d.is_symlink() else ():
+                        if own.match(f.name) and not f.is_dir():
+                            f.unlink()
             self._meta = {
                 "schema": SCHEMA,
                 "version": VERSION,
+                "trace_id": uuid.uuid4().hex,  # every chunk carries it: a copied-in one is refused
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "config": _json_ready(dict(config or {})),
                 "rounding": rounding,
@@ -304,7 +310,7 @@ class TraceWriter:
                 t = torch.from_numpy(a.copy())
         data = save({name: t}, metadata={"step": str(int(step)), "name": name})
         path = self.path / TENSOR_DIR / tensor_file_name(step, tid)
-        atomic_write(path, lambda f: f.write(data))
+        atomic_write(path, lambda f: f.write(data), root=self.path)
         return path
 
     def truncate_after(self, step: int) -> None:
@@ -363,9 +369,11 @@ class TraceWriter:
         cols["hist_bins"] = np.concatenate([r["bins"] for r in rows] + [np.zeros(0, np.uint32)])
         cols["hist_counts"] = np.concatenate([r["counts"] for r in rows] + [np.zeros(0, np.int64)])
         cols.update(block_columns([r.get("blocks") for r in rows]))
+        if self._meta.get("trace_id") is not None:  # an older trace appended to has none
+            cols["trace_id"] = np.array(self._meta["trace_id"])
         first, last = self._buf_steps[0], self._buf_steps[-1]
         name = chunk_file_name(self._seq, first, last)
-        atomic_write(self.path / CHUNK_DIR / name, lambda f: np.savez_compressed(f, **cols))
+        atomic_write(self.path / CHUNK_DIR / name, lambda f: np.savez_compressed(f, **cols), root=self.path)
         self._seq += 1
         self._last_flushed_step = last
         self._buf = []

@@ -99,11 +99,52 @@ def save_checkpoint(
     return path
 
 
-def save_whole(payload: dict, path: Path) -> None:
+class _KeepsWriteError:
+    """A file object for ``torch.save`` that keeps the ``OSError`` a write raised: torch reports
+    a failed write as a RuntimeError of its own (``[enforce fail at inline_container.cc:672] .
+    unexpected pos 768 vs 662`` on a full disk), which says neither the file nor the reason."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+
+def _torch_save(payload: dict, f) -> None:
+    """``torch.save(payload, f)``; a write that failed raises its own ``OSError`` (a full disk:
+    ENOSPC), which :func:`~fp8sim.atomic_file.atomic_write` then names with the file."""
+    kept = _KeepsWriteError(f)
+    try:
+        torch.save(payload, kept)
+    except RuntimeError:
+        if kept.error is not None:
+            raise kept.error from None
+        raise
+
+
+def save_whole(payload: dict, path: Path, *, root: Path | None = None) -> None:
     """``torch.save`` of ``payload`` into ``path`` whole or not at all (an interrupted save leaves
-    the old file and removes its temporary one), and the temporary files of saves killed outright
-    (SIGKILL) before it removed."""
-    atomic_write(path, lambda f: torch.save(payload, f))
+    the old file and removes its temporary one; a full disk is a :class:`~fp8sim.atomic_file.
+    WriteError` naming ``path``), and the temporary files of saves killed outright (SIGKILL)
+    before it removed. ``root``: the run directory (the directories between it and ``path`` are
+    made without following links, see :func:`~fp8sim.atomic_file.atomic_write`)."""
+    atomic_write(path, lambda f: _torch_save(payload, f), root=root)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):  # atomic_write's own names only
         stale.unlink(missing_ok=True)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from fp8sim.input_files import read_json
 from fp8sim.nan_aware import max_or_nan, nan_steps
 
-from fp8sim.training.trainer import check_summary, read_metrics
+from fp8sim.training.run_dir import check_summary, read_metrics
 
 __all__ = ["load_run", "compare_runs", "plot_loss_curves", "format_comparison"]
 

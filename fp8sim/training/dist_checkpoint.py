@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import re
 import os
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -55,22 +54,35 @@ def save_rank_checkpoint(
     """Write this rank's ``payload`` for ``step``; every rank calls it (collectively: ``barrier``
     is the process group's barrier, None for one rank). Returns the rank's file."""
     run = Path(run_dir)
-    d = _step_dir(run, step)
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / f"rank{rank}.pt"
+    path = _step_dir(run, step) / f"rank{rank}.pt"  # its directories made without following links
     body = {"version": _VERSION, "step": int(step), "rank": int(rank), "world": int(world), **payload}
-    save_whole(to_storable(body), path)
+    save_whole(to_storable(body), path, root=run)
     if barrier is not None:
         barrier()  # every rank's file of this step is complete
     if rank == 0:
         latest = run / CHECKPOINT_DIR / "LATEST"
         text = json.dumps({"step": int(step), "world": int(world)}) + "\n"
-        atomic_write(latest, lambda f: f.write(text.encode()))
+        atomic_write(latest, lambda f: f.write(text.encode()), root=run)
         for old in (run / CHECKPOINT_DIR).glob("step*"):
             # only older steps: a later step's directory may already be in the making
-            if old.is_dir() and re.fullmatch(r"step\d{8,}", old.name) and int(old.name[4:]) < step:
-                shutil.rmtree(old, ignore_errors=True)
+            if re.fullmatch(r"step\d{8,}", old.name) and int(old.name[4:]) < step:
+                _remove_step_dir(old)
     return path
+
+
+def _remove_step_dir(d: Path) -> None:
+    """Remove an old step directory's rank files (and temporary files of their writes), then the
+    directory if that left it empty: only what the checkpoint wrote. A link is never entered,
+    anything else in it is kept (and so is the directory)."""
+    if d.is_symlink() or not d.is_dir():
+        return
+    for f in d.iterdir():
+        if re.fullmatch(r"rank\d+\.pt|\.rank\d+\.pt\.\d+-[A-Za-z0-9_]+\.tmp", f.name) and not f.is_dir():
+            f.unlink(missing_ok=True)
+    try:
+        d.rmdir()
+    except OSError:  # something of somebody else's in it: left as it is
+        pass
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> dict | None:

@@ -365,6 +365,7 @@ def train_distributed(
     progress: bool | None = None,
     resume: bool = False,
     stop_after: int | None = None,
+    run_options: dict | None = None,
 ) -> dict:
     """Train ``cfg`` (a :class:`~fp8sim.training.trainer.TrainConfig`) data-parallel over
     ``nproc`` ranks into ``out_dir``; returns the run summary (``run.json``).
@@ -381,11 +382,12 @@ def train_distributed(
     reproducing the uninterrupted run's losses bit for bit on CPU. ``stop_after``: stop after
     that step as if killed (no summary), for tests. ``metrics.jsonl`` rows carry, besides the
     single-process keys, ``comm_bytes`` and ``allreduce`` (see :meth:`DataParallel.step_metrics`).
+    ``run_options``: stored in config.json (see :class:`~fp8sim.training.trainer.Trainer`).
     """
     from pathlib import Path
 
     from fp8sim.recipes import get_recipe
-    from fp8sim.training.trainer import start_mode
+    from fp8sim.training.run_dir import start_mode
 
     env = torchrun_env()
     world = env[1] if env else nproc
@@ -398,24 +400,34 @@ def train_distributed(
         raise ValueError(f"--grad-scaling/--fp8-grads apply to the FP8 all-reduce of the fp8lm recipes, "
                          f"not to {cfg.recipe_name!r}")
     out = Path(out_dir)
-    start = start_mode(out, resume, data_parallel=True, config=cfg.to_dict())
+    start = start_mode(out, resume, data_parallel=True, config=cfg)
     if start == "resume":
         from fp8sim.training.dist_checkpoint import latest_checkpoint
+        from fp8sim.training.run_dir import read_run_identity
 
+        try:
+            run_id = read_run_identity(out)[1]
+        except FileNotFoundError:
+            run_id = None
         info = latest_checkpoint(out)
         if info["world"] != world:
             raise ValueError(f"--resume: {out} was checkpointed by {info['world']} ranks, not {world}")
     else:  # a run here from now on (before any rank starts a trace): see Trainer
-        from fp8sim.training.trainer import write_json
+        from fp8sim.training.run_dir import new_run_id, read_run_identity, write_run_config
 
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ValueError(f"--out {out}: cannot create directory ({exc.strerror or exc})") from None
-        write_json(out / "config.json", cfg.to_dict())  # whole or absent
+        try:  # a restart keeps the run's identity
+            run_id = read_run_identity(out)[1] if start == "restart" else None
+        except FileNotFoundError:
+            run_id = None
+        run_id = run_id or new_run_id()
+        write_run_config(out, cfg, run_id, run_options)  # whole or absent
     opts = {"start": start, "grad_scaling": grad_scaling, "fp8_grads": fp8_grads,
             "record": None if record is None else str(record), "save_every": int(save_every), "progress": progress,
-            "stop_after": stop_after}  # fmt: skip
+            "stop_after": stop_after, "run_options": run_options, "run_id": run_id}  # fmt: skip
     if env:
         run_rank(env[0], world, cfg.to_dict(), str(out), None, opts)
     elif world == 1:
@@ -424,7 +436,7 @@ def train_distributed(
         from fp8sim.training.spawn import spawn_ranks
 
         spawn_ranks(world, cfg.to_dict(), str(out), opts)
-    from fp8sim.training.trainer import read_summary
+    from fp8sim.training.run_dir import read_summary
 
     return read_summary(out / "run.json") if (out / "run.json").is_file() else {}
 
@@ -470,8 +482,10 @@ def _train_rank(rank: int, world: int, cfg_dict: dict, out: str, opts: dict) -> 
         def recorder_factory(model: torch.nn.Module):
             return record(model, Path(opts["record"]) / f"rank{rank}", save_every=opts["save_every"],
                           chunk_steps=max(1, cfg.checkpoint_every), append=opts["start"] != "fresh",
-                          config={"run": cfg.to_dict(), "rank": rank, "world": world, "run_dir": out})  # fmt: skip
+                          config={"run": cfg.to_dict(), "rank": rank, "world": world, "run_dir": out,
+                                  "run_id": opts.get("run_id")})  # fmt: skip
 
     dp = DataParallel(rank, world, grad_scaling=opts.get("grad_scaling"), fp8_grads=opts.get("fp8_grads"))
-    trainer = Trainer(cfg, out, data_parallel=dp, start=opts["start"], recorder_factory=recorder_factory)
+    trainer = Trainer(cfg, out, data_parallel=dp, start=opts["start"], recorder_factory=recorder_factory,
+                      run_options=opts.get("run_options"), run_id=opts.get("run_id"))
     trainer.run(progress=opts.get("progress"), stop_after=opts.get("stop_after"))

@@ -1,6 +1,7 @@
 """The training loop: one recipe, one backend, a run directory.
 
-A run directory holds ``config.json`` (the :class:`TrainConfig`), ``metrics.jsonl`` (one JSON
+A run directory (:mod:`fp8sim.training.run_dir`) holds ``config.json`` (the :class:`TrainConfig`,
+the run's identity and the command line's options), ``metrics.jsonl`` (one JSON
 object per step: ``step`` (1-based), ``loss`` (training cross-entropy of that step's batch, nats
 per byte, before the update), ``lr``, ``grad_norm`` (before clipping), ``step_time_s``,
 ``tokens_per_s``, ``overflow``/``underflow`` (FP8 cast events of the step), and ``val_loss`` on
@@ -11,12 +12,13 @@ event totals).
 Determinism: on CPU a run is a pure function of its config. Batches depend only on (seed, step),
 the model is initialised from the seed, and resuming restores model, optimizer, policies and RNG,
 so a killed-and-resumed run writes the same losses, bit for bit, as the uninterrupted one.
+Resuming a finished run changes nothing; resuming it with more ``steps`` extends it, its
+learning-rate schedule kept (:meth:`TrainConfig.continues`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import os
@@ -27,14 +29,28 @@ from typing import Any, Callable
 
 import torch
 
-from fp8sim.atomic_file import append_line, atomic_write
-from fp8sim.input_files import open_regular, read_json
+from fp8sim.atomic_file import append_line, remove_own_file
 from fp8sim.training.checkpoint import CHECKPOINT_NAME, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from fp8sim.training.data import ByteCorpus, get_batch, load_corpus
 from fp8sim.training.convert import convert_to_fp8, get_fp8_state
-from fp8sim.training.config import BACKENDS, TrainConfig
+from fp8sim.training.config import BACKENDS, ConfigError, TrainConfig
 from fp8sim.training.model import GPT, GPTConfig
 from fp8sim.recipes import get_recipe
+from fp8sim.training.run_dir import (  # noqa: F401  (check_summary, run_begun, start_mode: also importable here)
+    check_metrics_cover,
+    check_summary,
+    new_run_id,
+    read_metrics,
+    read_run_identity,
+    read_summary,
+    run_begun,
+    say_finished,
+    start_mode,
+    stored_config,
+    write_json,
+    write_metrics,
+    write_run_config,
+)
 
 __all__ = ["TrainConfig", "Trainer", "mean_val_loss", "memory_per_parameter", "read_metrics", "BACKENDS"]
 
@@ -60,41 +76,6 @@ def memory_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimize
         "optimizer": opt / n,
         "total": (weights + grads + opt) / n,
     }
-
-
-#: metrics row fields that are numbers when present
-_METRIC_NUMBERS = ("val_loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "overflow", "underflow")
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """The rows of ``run_dir/metrics.jsonl`` (FileNotFoundError when absent). A last line cut
-    short (no newline: the run was killed while writing it) is left out; any other row that is
-    not a JSON object with an int ``step`` and a numeric ``loss`` raises ValueError naming the
-    file and line."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not os.path.lexists(path):
-        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a run directory?)")
-    rows = []
-    with open_regular(path) as f:  # a FIFO: refused, never opened
-        lines = io.TextIOWrapper(f, encoding="utf-8", errors="replace").readlines()
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError) as exc:
-            if i == len(lines) and not line.endswith("\n"):
-                break  # the row a killed run was writing
-            raise ValueError(f"{path}:{i}: corrupt metrics row ({exc})") from None
-        if not (isinstance(row, dict) and type(row.get("step")) is int and _number(row.get("loss"))):
-            raise ValueError(f"{path}:{i}: corrupt metrics row (needs an int step and a numeric loss)")
-        if row["step"] < 0:
-            raise ValueError(f"{path}:{i}: corrupt metrics row (step {row['step']} < 0)")
-        odd = [k for k in _METRIC_NUMBERS if k in row and not _number(row[k])]
-        if odd:
-            raise ValueError(f"{path}:{i}: corrupt metrics row ({odd[0]} is not a number)")
-        rows.append(row)
-    return rows
 
 
 @torch.no_grad()
@@ -136,11 +117,18 @@ class Trainer:
     all-reduce, ZeRO) and the loop checkpoints one file per rank; rank 0 writes the metrics.
 
     ``resume=True`` continues from the run's last checkpoint; its config must equal ``cfg``
-    exactly (the learning-rate schedule depends on ``steps``, batches on ``seed``, ...).
+    exactly (the learning-rate schedule depends on ``steps``, batches on ``seed``, ...), or be
+    the run extended (more steps, the schedule kept: :meth:`TrainConfig.continues`), and the
+    checkpoint must be this run's (its ``run_id`` the one in config.json; metrics.jsonl holding
+    every step up to it). A finished run (``finished``: its checkpoint is after the last step)
+    changes nothing: no file is written, :meth:`run` says so and returns its summary.
     ``start`` (``"fresh"``, ``"resume"`` or ``"restart"``, see :func:`start_mode`) is the
     launcher's decision for the ranks of a data-parallel run; None: decided here from ``resume``.
     ``recorder_factory(model)`` (optional) gives a recorder that gets
     ``begin_step(step)``/``end_step(step)``/``close()`` calls; see :func:`fp8sim.training.record`.
+    ``run_options`` (optional): what config.json stores besides the config (the command line's
+    options, :data:`fp8sim.training.commands.RUN_OPTIONS`); None keeps those stored there.
+    ``run_id``: a fresh run's identity (default: a new one); a run that has begun keeps its own.
     """
 
     def __init__(
@@ -153,6 +141,8 @@ class Trainer:
         recorder_factory: Callable[[torch.nn.Module], Any] | None = None,
         data_parallel: Any = None,
         start: str | None = None,
+        run_options: dict | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.out = Path(out_dir)
@@ -180,15 +170,22 @@ class Trainer:
         else:  # DDP (with the FP8 all-reduce hook) and, under FP8-LM O2/O3, the FP8 optimizer or ZeRO
             self.module, self.optimizer = dp.attach(self.model, self.recipe, cfg, hp)
         if start is None:
-            start = start_mode(self.out, resume, data_parallel=dp is not None, config=cfg.to_dict())
+            start = start_mode(self.out, resume, data_parallel=dp is not None, config=cfg)
         self.start_step = 0
+        stored = _stored_identity(self.out, fresh=start == "fresh" and dp is None)
+        self.run_id = stored[0] or run_id or new_run_id()
         ck = self._resume() if start == "resume" else None
-        if self.rank == 0:
+        #: a resumed run with no step left: nothing is written (see run())
+        self.finished = ck is not None and self.start_step == cfg.steps
+        if self.rank == 0 and not self.finished:
             self.out.mkdir(parents=True, exist_ok=True)
-            write_json(self.out / "config.json", cfg.to_dict())  # whole or absent
+            options = run_options if run_options is not None else stored[1]
+            write_run_config(self.out, cfg, self.run_id, options)  # whole or absent
             if ck is None:  # fresh, or a restart of a run killed before its first checkpoint
                 write_metrics(self.out, [])
-        self.recorder = recorder_factory(self.model) if recorder_factory else None
+            else:  # a run.json there is the summary of a shorter run: the run is extended now
+                remove_own_file(self.out / "run.json")
+        self.recorder = recorder_factory(self.model) if recorder_factory and not self.finished else None
         if start != "fresh" and self.recorder is not None:
             self.recorder.truncate_after(self.start_step)  # the steps after it are recorded again
             if ck is not None and ck.get("recorder"):
@@ -208,9 +205,19 @@ class Trainer:
             from fp8sim.training.dist_checkpoint import CHECKPOINT_DIR
 
             where = self.out / CHECKPOINT_DIR / f"step{ck['step']:08d}" / f"rank{self.rank}.pt"
-        if ck["config"] != self.cfg.to_dict():
-            diff = sorted(k for k, v in self.cfg.to_dict().items() if ck["config"].get(k) != v)
+        try:
+            written_by = stored_config(ck["config"], like=self.cfg)
+        except (ConfigError, TypeError) as exc:
+            if isinstance(ck["config"].get("recipe"), dict):  # another custom recipe than this run's
+                raise ValueError(f"--resume: {self.out}: checkpoint was written by a different config "
+                                 f"(differs in ['recipe'])") from None  # fmt: skip
+            raise ValueError(f"{where}: damaged checkpoint: its config is not a run config ({exc})") from None
+        if not self.cfg.continues(written_by):
+            diff = sorted(k for k, v in self.cfg.to_dict().items() if written_by.to_dict().get(k) != v)
             raise ValueError(f"--resume: {self.out}: checkpoint was written by a different config (differs in {diff})")
+        if first.get("run_id") is not None and first["run_id"] != self.run_id:  # rank 0's says for the run
+            raise ValueError(f"--resume: {where} is a checkpoint of another run (run id {first['run_id']}) than "
+                             f"the one in {self.out} (run id {self.run_id}, config.json); refused (nothing changed)")
         if not 0 <= ck["step"] <= self.cfg.steps:  # an int (load_payload): -4 would train at lr <= 0
             raise ValueError(f"{where}: corrupt checkpoint: step {ck['step']} is outside 0..{self.cfg.steps}")
         _check_corpus(self.out, ck, self.corpus)
@@ -232,7 +239,11 @@ class Trainer:
                              f"({type(exc).__name__}: {text})") from None  # fmt: skip
         self.start_step = ck["step"]
         if self.rank == 0:  # the steps after the checkpoint are run (and logged) again
-            write_metrics(self.out, [r for r in read_metrics(self.out) if r["step"] <= self.start_step])
+            rows = read_metrics(self.out)
+            kept = [r for r in rows if r["step"] <= self.start_step]
+            check_metrics_cover(self.out, kept, self.start_step, where)
+            if len(kept) < len(rows):
+                write_metrics(self.out, kept)
         return ck
 
     def save(self, step: int) -> None:
@@ -245,10 +256,12 @@ class Trainer:
         policies = self.fp8.state_dict() if self.fp8 is not None else None
         if self.dp is None:
             save_checkpoint(self.out, step=step, model=self.model, optimizer=self.optimizer, policies=policies,
-                            config=self.cfg.to_dict(), extra={"corpus": self.corpus.fingerprint, **recorder})
+                            config=self.cfg.to_dict(),
+                            extra={"corpus": self.corpus.fingerprint, "run_id": self.run_id, **recorder})
             return
         self.dp.save_checkpoint(self.out, step, {
             "config": self.cfg.to_dict(), "rng": capture_rng(), "policies": policies, "corpus": self.corpus.fingerprint,
+            "run_id": self.run_id,
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "recorder": None, **recorder,
         })  # fmt: skip
 
@@ -315,8 +328,14 @@ class Trainer:
         ``progress`` on stderr, rank 0 only: ``True`` a tqdm bar with loss and tokens/s, ``False``
         nothing, ``None`` (default) the bar on a terminal and otherwise a line every
         :data:`PROGRESS_LINE_S` seconds (and at the last step) -- a log file shows the run is alive.
+        A finished run (:attr:`finished`) says so on stderr and returns its run.json, unchanged.
         """
         cfg = self.cfg
+        if self.finished and (self.out / "run.json").is_file():
+            if self.rank != 0:
+                return {}
+            say_finished(self.out, cfg.steps)
+            return read_summary(self.out / "run.json")
         last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         desc = f"{cfg.recipe_name}/{cfg.backend}" + (f" x{self.dp.world}" if self.dp is not None else "")
         bar = _progress(progress and self.rank == 0 if progress is not None else (None if self.rank == 0 else False),
@@ -411,74 +430,24 @@ def _check_restored(optimizer: Any) -> None:
             raise ValueError(f"optimizer step {float(step)} restored")
 
 
+def _stored_identity(out: Path, *, fresh: bool) -> tuple[str | None, dict | None]:
+    """(run id, options) stored in ``out``'s config.json: a resumed or restarted run keeps its
+    identity, and so do the ranks of a data-parallel run whose launcher wrote it. (None, None)
+    for a fresh single-process run, or where no config.json is (an older run's has neither)."""
+    if fresh:
+        return None, None
+    try:
+        _, run_id, options = read_run_identity(out)
+    except FileNotFoundError:
+        return None, None
+    return run_id, options
+
+
 def _check_corpus(out: Path, ck: dict, corpus) -> None:
     """ValueError if the checkpoint names another corpus than ``corpus`` (older ones name none)."""
     if ck.get("corpus") is not None and ck["corpus"] != corpus.fingerprint:
         raise ValueError(f"--resume: {out}: the corpus changed since the checkpoint (bytes:crc32 "
                          f"{ck['corpus']}, now {corpus.fingerprint}); resuming would train on other data")
-
-
-def run_begun(out: Path) -> bool:
-    """Whether a run has begun in ``out``: its config.json (or metrics.jsonl) is there."""
-    return (out / "metrics.jsonl").is_file() or (out / "config.json").is_file()
-
-
-def start_mode(out: Path, resume: bool, *, data_parallel: bool, config: dict | None = None) -> str:
-    """How a run in ``out`` starts: ``"fresh"``, ``"resume"`` (from its checkpoint) or
-    ``"restart"`` (``--resume`` of a run killed before its first checkpoint: nothing to resume,
-    so it starts again from step 0; said on stderr). A run has begun in ``out`` once its
-    config.json is written. Raises for an ``out`` that is a file, a fresh start into a
-    directory that is not empty (a run's or anybody's files: a run would overwrite them), a
-    resume with no run at all, a checkpoint of the other kind (single-process vs data-parallel:
-    resuming it the wrong way would start over and lose it), and a restart whose config.json is
-    not ``config`` (another run's, or not a run's) or whose run finished (run.json)."""
-    from fp8sim.training.dist_checkpoint import latest_checkpoint
-
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: exists and is not a directory")
-    begun = run_begun(out)
-    if not resume:
-        if begun:
-            raise ValueError(f"{out} already holds a run; resume it (--resume) or choose another output directory")
-        entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-        if entries:
-            raise ValueError(f"--out {out}: exists and is not empty ({len(entries)} entries, e.g. "
-                             f"{entries[0]!r}); a new run goes into a new or empty directory")  # fmt: skip
-        return "fresh"
-    single, info = (out / CHECKPOINT_NAME).is_file(), latest_checkpoint(out)
-    if data_parallel and info is None and single:
-        raise ValueError(f"--resume: {out} holds a single-process checkpoint; resume it without --nproc "
-                         "(and with a single-process recipe)")  # fmt: skip
-    if not data_parallel and not single and info is not None:
-        raise ValueError(f"--resume: {out} was checkpointed by {info['world']} data-parallel rank(s); "
-                         f"resume it with --nproc {info['world']}")  # fmt: skip
-    if (info is not None) if data_parallel else single:
-        return "resume"
-    if not begun:
-        raise FileNotFoundError(f"--resume: {out} holds no run to resume (no checkpoint, no config.json)")
-    _check_restart(out, config)
-    print(f"fp8sim train: {out}: no checkpoint yet; starting again from step 0", file=sys.stderr)
-    return "restart"
-
-
-def _check_restart(out: Path, config: dict | None) -> None:
-    """A restart overwrites ``out``'s metrics and config: only for the same run, unfinished."""
-    if (out / "run.json").is_file():
-        raise ValueError(f"--resume: {out} holds a finished run (run.json) whose checkpoint is gone: "
-                         "nothing to resume, and starting it again would overwrite it")  # fmt: skip
-    if config is None:
-        return
-    try:
-        old = read_json(out / "config.json", what="run config")
-    except FileNotFoundError:
-        return  # metrics.jsonl alone: a run killed before it wrote its config
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--resume: {out}/config.json is not an fp8sim run config ({exc})") from None
-    if not isinstance(old, dict) or set(old) != set(config):
-        raise ValueError(f"--resume: {out}/config.json is not an fp8sim run config")
-    diff = sorted(k for k, v in config.items() if old.get(k) != v)
-    if diff:
-        raise ValueError(f"--resume: {out} holds a run of another config (differs in {diff})")
 
 
 #: seconds between progress lines when stderr is not a terminal
@@ -518,74 +487,6 @@ def _progress(mode: bool | None, *, total: int, initial: int, desc: str):
         return _ProgressLines(total, initial, desc)
     return tqdm(total=total, initial=initial, disable=not mode and mode is not None, desc=desc, unit="step",
                 file=sys.stderr, dynamic_ncols=True)  # fmt: skip
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-#: run.json fields and what each must be when present: a number, a count (int >= 0), an object
-#: of numbers, or an object
-_SUMMARY_FIELDS = {
-    "final_loss": "number", "final_val_loss": "number", "median_step_time_s": "number",
-    "wall_s": "number", "overflow": "count", "underflow": "count", "steps_done": "count",
-    "parameters": "count", "nproc": "count", "memory_bytes_per_param": "numbers",
-    "comm_bytes_per_step": "numbers", "config": "object", "recipe": "object",
-}  # fmt: skip
-#: the entries a memory / communication figure needs (what the reports show)
-_SUMMARY_PARTS = {"memory_bytes_per_param": ("weights", "grads", "optimizer", "total"),
-                  "comm_bytes_per_step": ("wgrad_fp8", "scales", "grads_other", "weights")}  # fmt: skip
-#: entries that are numbers when present
-_SUMMARY_OPTIONAL = {"memory_bytes_per_param": ("master", "fp8lm"),
-                     "comm_bytes_per_step": ("wgrad_fp8_vs_bf16",)}  # fmt: skip
-
-
-def check_summary(path: Path, summary: Any, *, finished: bool = False) -> dict:
-    """``summary`` (a run.json read back from ``path``) if its fields are what a run writes (see
-    :data:`_SUMMARY_FIELDS`; null allowed for numbers), else ValueError ``"<path>: corrupt
-    run.json: ..."``. ``finished``: the fields a finished run's summary always has must be there."""
-
-    def bad(what: str) -> None:
-        raise ValueError(f"{path}: corrupt run.json: {what}")
-
-    if not isinstance(summary, dict):
-        bad(f"a {type(summary).__name__}, not an object")
-    if finished:
-        missing = [k for k in ("final_loss", "final_val_loss", "overflow", "underflow",
-                               "memory_bytes_per_param", "median_step_time_s") if k not in summary]  # fmt: skip
-        if missing:
-            bad(f"no {', '.join(missing)}")
-    for key, kind in _SUMMARY_FIELDS.items():
-        v = summary.get(key)
-        if v is None:
-            continue
-        ok = {"number": _number(v), "count": type(v) is int and v >= 0, "object": isinstance(v, dict),
-              "numbers": isinstance(v, dict) and all(_number(v.get(p)) for p in _SUMMARY_PARTS.get(key, ()))
-              and all(_number(v[p]) for p in _SUMMARY_OPTIONAL.get(key, ()) if v.get(p) is not None),
-              }[kind]  # fmt: skip
-        if not ok:
-            want = {"number": "a number", "count": "an int >= 0", "object": "an object",
-                    "numbers": f"an object with the numbers {', '.join(_SUMMARY_PARTS.get(key, ()))}"}[kind]
-            bad(f"{key} is {json.dumps(v)[:60]}, not {want}")
-    return summary
-
-
-def read_summary(path: Path) -> dict:
-    """A finished run's run.json, checked (:func:`check_summary`)."""
-    return check_summary(path, read_json(path, what="run.json"), finished=True)
-
-
-def write_metrics(out: Path, rows: list[dict]) -> None:
-    """Replace ``out/metrics.jsonl`` with ``rows``, whole or not at all (a failed rewrite, a
-    full disk, keeps every old row)."""
-    text = "".join(json.dumps(r) + "\n" for r in rows)
-    atomic_write(out / "metrics.jsonl", lambda f: f.write(text.encode()))
-
-
-def write_json(path: Path, obj: dict) -> None:
-    """``obj`` as indented JSON into ``path``, whole or not at all."""
-    text = json.dumps(obj, indent=2) + "\n"
-    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _median(xs: list[float]) -> float | None:
