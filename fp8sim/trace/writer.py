@@ -150,17 +150,23 @@ class TraceWriter:
 
     # -- catalogue ---------------------------------------------------------------------------
     def add_tensor(
-        self, name: str, role: str, fmt: str | FloatFormat, shape: Sequence[int]
+        self, name: str, role: str, fmt: str | FloatFormat, shape: Sequence[int], *, what_if: bool = False
     ) -> None:
-        """Declare a tensor. Re-declaring it with the same role/format/shape is a no-op."""
+        """Declare a tensor. Re-declaring it with the same role/format/shape is a no-op.
+
+        ``what_if``: the run does not perform this cast; the record says what it would do (the
+        recorder's weight gradients under a recipe that keeps them in high precision)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor name must be a non-empty string, got {name!r}")
         if role not in ROLES:
             raise ValueError(f"tensor {name!r}: role must be one of {ROLES}, got {role!r}")
         fmt_name = get_format(fmt).name
-        entry = {"name": name, "role": role, "format": fmt_name, "shape": [int(s) for s in shape]}
+        entry = {"name": name, "role": role, "format": fmt_name, "shape": [int(s) for s in shape],
+                 "what_if": bool(what_if)}
         if name in self._index:
             old = self._meta["tensors"][self._index[name]]
+            if "what_if" not in old:  # declared by a writer older than the flag
+                entry.pop("what_if")
             if old != entry:
                 raise ValueError(f"tensor {name!r} already declared as {old}, now {entry}")
             return

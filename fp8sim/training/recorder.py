@@ -5,7 +5,9 @@ Two sources, one trace format:
 * an FP8 model (after :func:`fp8sim.training.convert_to_fp8`): every cast the FP8 linears make --
   input activations, weights, output gradients (and weight gradients where the recipe casts
   them) -- with the scale the policy actually used; plus every FP8 linear's weight gradient after
-  accumulation, recorded against the output-gradient format and the recorder's own policy;
+  accumulation, recorded against the output-gradient format and the recorder's own policy: a
+  *what-if* cast where the recipe keeps weight gradients in high precision (flagged ``what_if``
+  in the trace's catalogue, as every cast the recipe does not perform);
 * any other PyTorch model: forward/backward hooks on its ``nn.Linear`` modules (subclasses too)
   and Hugging Face ``Conv1D`` modules (GPT-2's projections; their weight, stored transposed, is
   recorded as ``(out, in)`` like a linear's) capture the same roles, and the recorder runs a
@@ -69,6 +71,9 @@ class Recorder:
                 raise ValueError(f"record: recipe {recipe!r} casts nothing; pick an FP8 recipe for the hypothetical casts")
             casts = linear.casts()
             recipe_name = recipe
+        # the casts the recipe performs (live, or under its policies on a plain model); the
+        # others are what-if casts, flagged so in the trace's catalogue
+        self.performed = frozenset(casts)
         # the weight gradient is not cast by TE recipes: record it against the gradient format
         if "weight_grad" not in casts:
             casts["weight_grad"] = CastConfig(casts["grad_output"].fmt, casts["grad_output"].scaling)
@@ -171,7 +176,7 @@ class Recorder:
     def _declare(self, name: str, role: str, fmt: str, shape) -> None:
         # declared once, with the first shape seen (a user's last batch may be smaller)
         if name not in self._declared:
-            self.writer.add_tensor(name, role, fmt, tuple(shape))
+            self.writer.add_tensor(name, role, fmt, tuple(shape), what_if=role not in self.performed)
             self._declared.add(name)
 
     def _save_due(self) -> bool:
