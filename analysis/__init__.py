@@ -13,7 +13,8 @@ Modules: :mod:`.api` (:func:`analyze`, :func:`replay`), :mod:`.results` and :mod
 (what they return), :mod:`.dumps` (loading, FP8 companion scales), :mod:`.stats` (numba
 statistics), :mod:`.trace_summary` (a trace's recorded statistics), :mod:`.verdict` (per-layer
 verdicts of a trace), :mod:`.policy_replay`
-(policies over traces, the columns), :mod:`.report` (classes, tables, ``fail_on`` rules),
+(policies over traces, the columns), :mod:`.status` (the ok / warning / critical rule),
+:mod:`.report` (tables, ``fail_on`` rules),
 :mod:`.json_output` (JSON files), :mod:`.plots` (PNG), :mod:`.commands` (``fp8sim analyze`` /
 ``replay``), :mod:`.demo` (``fp8sim demo``).
 
@@ -44,6 +45,7 @@ _EXPORTS = {
     "ReplayCrossing": "fp8sim.analysis.records",
     "LayerVerdict": "fp8sim.analysis.records",
     "TraceSummary": "fp8sim.analysis.trace_summary",
+    "Thresholds": "fp8sim.analysis.status",
 }
 
 __all__ = list(_EXPORTS)
@@ -62,6 +64,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
         TraceTensorRecord,
     )
     from fp8sim.analysis.results import AnalysisResult, Log2Histogram, ReplayResult
+    from fp8sim.analysis.status import Thresholds
     from fp8sim.analysis.trace_summary import TraceSummary
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from fp8sim.analysis.records import BadInput, Crossing, Note, TensorRecord
 from fp8sim.analysis.results import AnalysisResult, Log2Histogram, ReplayResult, replay_result
+from fp8sim.analysis.status import Thresholds
 from fp8sim.errors import ArgumentError
 
 __all__ = ["analyze", "replay", "scale_fallback_notes"]
@@ -47,11 +48,12 @@ def _one_line(text: str) -> str:
 # ------------------------------------------------------------------------------------------
 # analyze
 # ------------------------------------------------------------------------------------------
-def _checked_options(formats, scalings, margin, pow2, fail_on, underflow_warning,
-                     underflow_critical, fp8_scales, fp8_block, chunk):  # fmt: skip
-    """(variants, rules, thresholds, fp8 block) of analyze's arguments, or ArgumentError."""
+def _checked_options(formats, scalings, margin, pow2, fail_on, thresholds, fp8_scales, fp8_block,
+                     chunk):  # fmt: skip
+    """(variants, rules, thresholds, fp8 block) of analyze's arguments, or ArgumentError.
+    ``thresholds``: {parameter: percent} of the status thresholds."""
     from fp8sim.analysis.dumps import parse_block
-    from fp8sim.analysis.report import Thresholds, parse_fail_on
+    from fp8sim.analysis.report import parse_fail_on
     from fp8sim.analysis.stats import parse_variants
     from fp8sim.scaling import check_margin
 
@@ -64,12 +66,13 @@ def _checked_options(formats, scalings, margin, pow2, fail_on, underflow_warning
         rules = parse_fail_on(fail_on) if fail_on is not None else []
     except ValueError as exc:
         raise ArgumentError.renamed(exc, "--fail-on", "fail_on") from None
-    try:
-        th = Thresholds(underflow_warning, underflow_critical)
-    except ValueError as exc:
-        why = str(exc).split(": ", 1)[-1]
-        raise ArgumentError("", "underflow_warning", f" {underflow_warning} / ", "underflow_critical",
-                            f" {underflow_critical}: {why}") from None  # fmt: skip
+    for what in ("underflow", "overflow"):
+        w, c = thresholds[f"{what}_warning"], thresholds[f"{what}_critical"]
+        if not (isinstance(w, (int, float)) and isinstance(c, (int, float))
+                and math.isfinite(w) and math.isfinite(c) and 0 <= w <= c <= 100):  # fmt: skip
+            raise ArgumentError("", f"{what}_warning", f" {w} / ", f"{what}_critical",
+                                f" {c}: need 0 <= warning <= critical <= 100 (percent)")  # fmt: skip
+    th = Thresholds(**thresholds)
     if chunk is not None and chunk < 1:
         raise ArgumentError.about("chunk", f" must be >= 1, got {chunk}")
     if fp8_scales not in FP8_SCALES:
@@ -168,16 +171,25 @@ def scale_fallback_notes(records: list[dict]) -> list[dict]:
     return out
 
 
+#: the formats and scalings analyze uses when none are given
+DEFAULT_FORMATS = ("e4m3", "e5m2")
+DEFAULT_SCALINGS = ("tensor",)
+
+
 def analyze(
     inputs: Any,
-    formats: str | Sequence[str] = ("e4m3", "e5m2"),
-    scalings: str | Sequence[str] = ("tensor",),
+    formats: str | Sequence[str] | None = None,
+    scalings: str | Sequence[str] | None = None,
     *,
     margin: float = 0.0,
     pow2: bool = False,
     fail_on: str | None = None,
-    underflow_warning: float = 0.5,
-    underflow_critical: float = 2.0,
+    underflow_warning: float = Thresholds.underflow_warning,
+    underflow_critical: float = Thresholds.underflow_critical,
+    overflow_warning: float = Thresholds.overflow_warning,
+    overflow_critical: float = Thresholds.overflow_critical,
+    what_if: bool = False,
+    allow_empty: bool = False,
     fp8_scales: str = "stored",
     fp8_block: str | None = None,
     keep_going: bool = False,
@@ -193,25 +205,37 @@ def analyze(
     named ``<input K>`` where a file's path would stand.
 
     ``formats`` / ``scalings``: names, or one comma-separated string (``"e4m3,e5m2"``;
-    scalings ``none``, ``tensor``, ``row``, ``col``, ``block:RxC``, ``mx``, ``mx:rceil``). The
-    figures are those of ``quantize_scaled(x, fmt, granularity, rounding="rne",
-    saturate=True)``; scales just in time from each group's amax, ``margin`` binades of headroom,
-    ``pow2`` rounds them down to powers of two (docs/analysis.md). ``fail_on``: rules such as
-    ``"overflow>0,underflow>1%"``, checked on every record (``result.crossings``). Status
-    thresholds ``underflow_warning`` / ``underflow_critical`` are percent. ``fp8_scales``:
+    scalings ``none``, ``tensor``, ``row``, ``col``, ``block:RxC``, ``mx``, ``mx:rceil``;
+    default e4m3, e5m2 and tensor). They apply to tensors in files and memory and to the full
+    tensors a trace saved; a trace's recorded statistics keep the run's own formats and scales
+    (a note says so when a trace saved no full tensor). The figures are those of
+    ``quantize_scaled(x, fmt, granularity, rounding="rne", saturate=True)``; scales just in time
+    from each group's amax, ``margin`` binades of headroom, ``pow2`` rounds them down to powers
+    of two (docs/analysis.md). ``fail_on``: rules such as ``"overflow>0,underflow>1%"`` or
+    ``"critical"``, checked on every record (``result.crossings``). The status thresholds
+    ``underflow_*`` / ``overflow_*`` are percent (:mod:`fp8sim.analysis.status`). ``what_if``:
+    count the casts a trace records but its run did not perform (``what_if`` rows: weight
+    gradients under ``te-*`` recipes) in ``counts``, the verdict and ``fail_on``; they are
+    listed, labelled, either way. ``allow_empty``: return a result with nothing analyzed
+    instead of raising ValueError (no float tensor, no recorded step). ``fp8_scales``:
     ``stored`` (FP8 codes as they are) or ``apply`` (dequantized with their companion
     ``NAME_scale_inv`` / ``NAME_scale``; ``fp8_block`` ``"RxC"`` for block scales).
     ``keep_going``: a bad file or tensor is listed in ``result.errors`` instead of raising.
     ``chunk``: elements read at a time (bounds memory). ``progress``: a bar on stderr.
     """
     from fp8sim.analysis.dumps import FLOAT_DTYPES, link_fp8_scales
-    from fp8sim.analysis.report import classify, escape_cell, failures, sort_worst_first
+    from fp8sim.analysis.report import escape_cell, failures, sort_worst_first
+    from fp8sim.analysis.status import classify
     from fp8sim.analysis.stats import tensor_stats
     from fp8sim.analysis.trace_summary import summarize_trace
     from fp8sim.analysis.verdict import layer_verdicts
 
+    explicit = formats is not None or scalings is not None
     variants, rules, th, block = _checked_options(
-        formats, scalings, margin, pow2, fail_on, underflow_warning, underflow_critical,
+        DEFAULT_FORMATS if formats is None else formats, DEFAULT_SCALINGS if scalings is None else scalings,
+        margin, pow2, fail_on,
+        {"underflow_warning": underflow_warning, "underflow_critical": underflow_critical,
+         "overflow_warning": overflow_warning, "overflow_critical": overflow_critical},
         fp8_scales, fp8_block, chunk)  # fmt: skip
     errors: list[dict] = []
 
@@ -240,6 +264,12 @@ def analyze(
             for name, reason in dump.skipped:
                 notes.append({"file": dump.path, "name": name, "note": f"skipped: {reason}"})
             if dump.trace is not None:
+                if explicit and not dump.tensors:
+                    notes.append({"file": dump.path, "name": None,
+                                  "note": "the formats and scalings asked for apply to the full tensors a trace "
+                                          "saved, and this one saved none: its recorded statistics are in the "
+                                          "run's own formats and scales (record with save_every=K, --save-every K, "
+                                          "to analyze tensors under others)"})  # fmt: skip
                 try:
                     summary = summarize_trace(dump.path, dump.trace, th)
                 except ValueError as exc:  # a corrupt chunk: the other files still go on
@@ -248,7 +278,7 @@ def analyze(
                     traces.append(summary)
                     plot_items.append(summary)
                     try:
-                        verdicts += layer_verdicts(dump.path, dump.trace, th.underflow_warning)
+                        verdicts += layer_verdicts(dump.path, dump.trace, th, what_if=what_if)
                     except ValueError as exc:  # a corrupt saved tensor
                         bad(dump.path, exc)
             for src in dump.tensors:
@@ -268,9 +298,11 @@ def analyze(
                     bad(dump.path, exc, src.name)  # record), the file's others go on
                     continue
                 st.file = dump.path
+                wi = _saved_what_if(dump.trace, src.name)
                 for rec in st.records():
                     rec["status"] = classify(rec, th)
                     rec["dequantized_with"] = getattr(src, "described", None)  # fp8_scales apply
+                    rec["what_if"] = wi
                     records.append(rec)
                 plot_items.append(_histogram(st, dump.path))
     finally:
@@ -279,7 +311,10 @@ def analyze(
     records = sort_worst_first(records)
     notes += scale_fallback_notes(records)
     trace_rows = [r.to_dict() for t in traces for r in t.tensors]
-    crossed = failures(records + trace_rows, rules) if rules else []
+    if not records and not trace_rows and not errors and not allow_empty:
+        raise ValueError(_nothing_analyzed(files, dumps, notes))
+    counted = [r for r in records + trace_rows if what_if or not r["what_if"]]
+    crossed = failures(counted, rules) if rules else []
     return AnalysisResult(
         variants=tuple(variants),
         records=tuple(TensorRecord.from_dict(r) for r in records),
@@ -291,7 +326,36 @@ def analyze(
         files=tuple(files),
         verdicts=tuple(verdicts),
         plot_items=tuple(plot_items),
+        what_if=what_if,
     )  # fmt: skip
+
+
+def _saved_what_if(trace: Any, name: str) -> bool:
+    """Whether the saved full tensor ``name`` (``W@stepS``) of ``trace`` (a TraceReader, or None
+    for other dumps) is one of a cast the run did not perform."""
+    if trace is None or "@step" not in name:
+        return False
+    try:
+        return trace.tensor(name.rsplit("@step", 1)[0]).what_if
+    except ValueError:
+        return False
+
+
+def _nothing_analyzed(files: list[str], dumps: list, notes: list[dict]) -> str:
+    """The one line that says why an analysis found nothing to analyze."""
+    traces = [d.path for d in dumps if d.trace is not None]
+    skipped = [n for n in notes if str(n.get("note", "")).startswith(("skipped", "empty tensor"))]
+    what = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "") if files else "the input"
+    why = []
+    if skipped:
+        first = skipped[0]
+        why.append(f"{len(skipped)} tensor(s) skipped (first: {first['name']}: {first['note']})")
+    if traces:
+        why.append(f"{len(traces)} trace(s) without a recorded step")
+    if not why:
+        why.append("no tensor in it")
+    return (f"no data analyzed in {what}: " + "; ".join(why)
+            + " (allow_empty=True, --allow-empty on the command line, to accept this)")
 
 
 # ------------------------------------------------------------------------------------------
@@ -323,11 +387,30 @@ def _replay_failures(replays: list, rules: list) -> list[tuple]:
     return [(rule, policy, tensor, step) for step, _, _, rule, policy, tensor in found]
 
 
+def _performed_only(replays: list, what_if_ids: set[int], what_if_total: int) -> list:
+    """The replays without the records of the tensors in ``what_if_ids`` (casts the run did not
+    perform; ``what_if_total`` records in the trace). Policies keep their state per tensor, so
+    the other records' figures are those of a replay without them. ``skipped`` (records a
+    block-scaled policy had no saved tensor for) loses the what-if ones too."""
+    import numpy as np
+
+    from fp8sim.analysis.policy_replay import PolicyReplay
+
+    out = []
+    for rp in replays:
+        hypo = np.isin(rp.cols["tensor"], sorted(what_if_ids))
+        cols = {k: v[~hypo] for k, v in rp.cols.items()}
+        skipped = rp.skipped - (what_if_total - int(hypo.sum()))
+        out.append(PolicyReplay(rp.policy, rp.names, cols, skipped))
+    return out
+
+
 def replay(
     trace: Any,
     policies: str | Sequence[str],
     *,
     include_recorded: bool = True,
+    what_if: bool = False,
     fail_on: str | None = None,
     progress: bool = False,
 ) -> ReplayResult:
@@ -339,10 +422,15 @@ def replay(
     ``policies``: specs such as ``"delayed:history=16,margin=1"``, ``"current:pow2"``,
     ``"msamp"``, ``"autoscale"``, ``"static:scale=1"`` (one string is one spec; ``fp8sim
     policies`` lists them); the same policy spelled twice is replayed once.
-    ``include_recorded``: the trace's own scales first, as the policy ``recorded``. ``fail_on``:
+    ``include_recorded``: the trace's own scales first, as the policy ``recorded``.
+    ``what_if``: replay the casts the trace records but its run did not perform too (``what_if``
+    tensors: weight gradients under ``te-*`` recipes); left out by default, so that
+    ``recorded`` counts what the run did (the figures ``fp8sim compare`` shows). ``fail_on``:
     rules such as ``"overflow>0,underflow>1%,events>2"`` checked per policy x tensor x step
     (``result.crossings``). ``progress``: a bar on stderr.
     """
+    import numpy as np
+
     from fp8sim.analysis.policy_replay import replay_policies
     from fp8sim.analysis.report import REPLAY_FAIL_METRICS, parse_fail_on
     from fp8sim.scaling_config import parse_scaling, scaling_spec
@@ -374,5 +462,14 @@ def replay(
                                   progress=bar.update)  # fmt: skip
     finally:
         bar.close()
+    hypo = {t.index for t in reader.tensors if t.what_if}
+    left_out = 0
+    if hypo and not what_if:
+        tensor_col = reader.scalars()["tensor"]
+        left_out = int(np.isin(tensor_col, sorted(hypo)).sum())
+        replays = _performed_only(replays, hypo, left_out)
+        n_records -= left_out
     crossed = _replay_failures(replays, rules) if rules else []
-    return replay_result(shown, reader.rounding, replays, rules, crossed, n_records)
+    return replay_result(shown, reader.rounding, replays, rules, crossed, n_records,
+                         what_if_tensors=tuple(t.name for t in reader.tensors if t.what_if),
+                         what_if=what_if, what_if_records=left_out)  # fmt: skip

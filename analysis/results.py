@@ -114,29 +114,64 @@ class AnalysisResult:
     verdicts: tuple[LayerVerdict, ...] = ()
     #: histograms and traces in the order analyzed (plots are numbered in that order)
     plot_items: tuple = field(default=(), compare=False)
+    #: whether the casts the run did not perform (``what_if`` rows) count in ``counts``, the
+    #: verdict and the ``fail_on`` rules
+    what_if: bool = False
 
     @property
     def histograms(self) -> tuple[Log2Histogram, ...]:
         """The log2|x| histogram of each tensor analyzed, in the order analyzed."""
         return tuple(p for p in self.plot_items if isinstance(p, Log2Histogram))
 
+    def _rows(self, what_if: bool | None = None) -> list:
+        """Records and trace tensors; without ``what_if`` (default: the result's), not the
+        casts the run did not perform."""
+        keep = self.what_if if what_if is None else what_if
+        rows = [*self.records, *(t for tr in self.traces for t in tr.tensors)]
+        return [r for r in rows if keep or not r.what_if]
+
     @property
     def counts(self) -> dict[str, int]:
-        """Records and trace tensors per status: ``{"critical": .., "warning": .., "ok": ..}``."""
-        rows = [*self.records, *(t for tr in self.traces for t in tr.tensors)]
+        """Records and trace tensors per status: ``{"critical": .., "warning": .., "ok": ..}``;
+        the casts the run did not perform (``what_if`` rows) only when the result counts them."""
+        rows = self._rows()
         return {k: sum(r.status == k for r in rows) for k in ("critical", "warning", "ok")}
+
+    @property
+    def what_if_rows(self) -> int:
+        """How many records and trace tensors are casts the run did not perform."""
+        return len(self._rows(True)) - len(self._rows(False))
+
+    def summary_line(self) -> str:
+        """``3 critical, 1 warning, 20 ok`` and, where what-if rows are not counted, how many."""
+        c = self.counts
+        line = f"{c['critical']} critical, {c['warning']} warning, {c['ok']} ok"
+        n = self.what_if_rows
+        if n and not self.what_if:
+            line += f" ({n} what-if row{'s' if n > 1 else ''}, casts the run did not perform, not counted)"
+        elif n:
+            line += f" ({n} what-if row{'s' if n > 1 else ''} counted)"
+        return line
 
     def table(self, top: int | None = 50) -> str:
         """The command line's table: the records, worst first (``top`` rows; 0 or None: all),
-        then each trace's recorded statistics per tensor, and last each trace's verdict per
-        layer and role (every one)."""
+        then each trace's recorded statistics per tensor (the casts its run performed, then the
+        what-if ones apart), and last each trace's verdict per layer and role (every one)."""
         top = _check_top(top)
         parts = []
         if self.records:
             parts.append(format_table([r.to_dict() for r in self.records], limit=top))
         for t in self.traces:
+            rows = sort_worst_first_trace(list(t.tensors))
+            real = [r.to_dict() for r in rows if not r.what_if]
+            hypo = [r.to_dict() for r in rows if r.what_if]
             parts.append(f"\ntrace {escape_cell(t.path)}: recorded statistics over all steps")
-            parts.append(format_trace_table([r.to_dict() for r in sort_worst_first_trace(list(t.tensors))]))
+            parts.append(format_trace_table(real) if real else "(no cast the run performed was recorded)")
+            if hypo:
+                counted = "counted in the summary" if self.what_if else "not counted in the summary (--what-if counts them)"
+                parts.append(f"\ntrace {escape_cell(t.path)}: what-if casts -- recorded, but not performed by the "
+                             f"run (e.g. weight gradients its recipe keeps in high precision); {counted}")
+                parts.append(format_trace_table(hypo))
         if not self.records and not self.traces:
             parts.append("no float tensors analyzed")
         from fp8sim.analysis.verdict import format_verdict_table
@@ -147,19 +182,20 @@ class AnalysisResult:
                 parts.append(f"\ntrace {escape_cell(t.path)}: verdict per layer and role (judged in "
                              "each tensor's recorded format, after its warm-up)")  # fmt: skip
                 parts.append(format_verdict_table(mine))
-        return "\n".join(parts)
+        return "\n".join(parts).lstrip("\n")
 
     def worst(self, n: int = 10) -> list[TensorRecord | TraceTensorRecord]:
-        """The ``n`` worst records, trace tensors included: by status, then overflow share,
-        underflow share (descending), SQNR (ascending; undefined last), name."""
-        rows = [*self.records, *(t for tr in self.traces for t in tr.tensors)]
+        """The ``n`` worst records, trace tensors included (what-if rows only when the result
+        counts them): by status, then overflow share, underflow share (descending), SQNR
+        (ascending; undefined last), name."""
+        rows = self._rows()
         dicts = [r.to_dict() for r in rows]
         by_id = {id(d): r for d, r in zip(dicts, rows)}
         return [by_id[id(d)] for d in sort_worst_first(dicts)[: max(0, n)]]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object (docs/cli.md): variants, records, traces, notes, errors, summary,
-        fail_on, verdicts."""
+        what_if, fail_on, verdicts."""
         return {
             "variants": [{"format": v.fmt.name, "scaling": v.scaling, "margin": v.margin,
                           "pow2": v.pow2} for v in self.variants],  # fmt: skip
@@ -168,6 +204,7 @@ class AnalysisResult:
             "notes": [x.to_dict() for x in self.notes],
             "errors": [e.to_dict() for e in self.errors],
             "summary": self.counts,
+            "what_if": {"rows": self.what_if_rows, "counted": self.what_if},
             "fail_on": [c.to_dict() for c in self.crossings],
             "verdicts": [v.to_dict() for v in self.verdicts],
         }
@@ -212,7 +249,7 @@ class AnalysisResult:
                     steps, mat = item.grid(key)
                     written.append(plot_heatmap(pdir.path(f"{base}_trace_{key}.png"),
                                                 f"{item.path}: recorded {key} share (%)",
-                                                item.names, steps, mat))  # fmt: skip
+                                                item.row_labels(), steps, mat))  # fmt: skip
             else:
                 written.append(plot_log2_histogram(
                     pdir.path(safe_name(item.name, index) + ".png"),
@@ -223,23 +260,33 @@ class AnalysisResult:
         return written
 
     def __repr__(self) -> str:
-        c = self.counts
         tensors = len({(r.file, r.name) for r in self.records})
-        head = (f"AnalysisResult: {len(self.records)} records, {tensors} tensor(s) x "
-                f"{len(self.variants)} format/scaling variant(s): {c['critical']} critical, "
-                f"{c['warning']} warning, {c['ok']} ok")  # fmt: skip
-        lines = [head]
+        head = (f"AnalysisResult: {len(self.records)} records ({tensors} tensor(s) x "
+                f"{len(self.variants)} format/scaling variant(s))")  # fmt: skip
         if self.traces:
-            lines.append(f"traces: {len(self.traces)} ({sum(len(t.tensors) for t in self.traces)} "
-                         "tensors' recorded statistics)")  # fmt: skip
+            head += (f", {len(self.traces)} trace(s) ({sum(len(t.tensors) for t in self.traces)} "
+                     "tensors' recorded statistics)")  # fmt: skip
+        lines = [head + ": " + self.summary_line()]
         if self.notes or self.errors or self.rules:
             lines.append(f"notes: {len(self.notes)}, errors: {len(self.errors)}"
                          + (f", fail_on crossings: {len(self.crossings)}" if self.rules else ""))
         if self.records:
+            lines.append("worst records:")
             lines.append(format_table([r.to_dict() for r in self.records[:_REPR_ROWS]]))
             if len(self.records) > _REPR_ROWS:
                 lines.append(f"... {len(self.records) - _REPR_ROWS} more: .table(top=0), "
                              ".worst(n), .to_pandas()")  # fmt: skip
+        trace_rows = [r for tr in self.traces for r in tr.tensors if self.what_if or not r.what_if]
+        if trace_rows:
+            lines.append("worst trace tensors (recorded statistics):")
+            lines.append(format_trace_table([r.to_dict() for r in sort_worst_first_trace(trace_rows)[:_REPR_ROWS]]))
+            if len(trace_rows) > _REPR_ROWS:
+                lines.append(f"... {len(trace_rows) - _REPR_ROWS} more: .table(), .to_pandas('traces')")
+        if self.verdicts:
+            by: dict[str, int] = {}
+            for v in self.verdicts:
+                by[v.verdict] = by.get(v.verdict, 0) + 1
+            lines.append("verdicts: " + ", ".join(f"{n} {k}" for k, n in by.items()) + " (.verdicts, .table())")
         return "\n".join(lines)
 
 
@@ -274,8 +321,9 @@ class ReplayResult:
     (built on first use): a :class:`~fp8sim.analysis.records.ReplayRecord` per policy x trace
     record; ``crossings``: the ``rules`` (``fail_on``) crossed, earliest step first;
     ``replays``: the per-record columns (:class:`~fp8sim.analysis.policy_replay.PolicyReplay`,
-    with :meth:`grid` for heatmaps); ``trace_records``: the trace's records (each replayed once
-    per policy).
+    with :meth:`grid` for heatmaps); ``trace_records``: the trace's records replayed (each once
+    per policy): without ``what_if``, those of the casts the run performed, so that ``recorded``
+    counts what ``fp8sim compare`` and ``analyze``'s trace table count.
     """
 
     trace: str
@@ -285,6 +333,11 @@ class ReplayResult:
     crossings: tuple[ReplayCrossing, ...]
     replays: tuple = field(compare=False)
     trace_records: int = 0
+    #: the trace's tensors of casts its run did not perform, whether they were replayed
+    #: (``what_if``), and how many of their records were left out (0 when replayed)
+    what_if_tensors: tuple[str, ...] = ()
+    what_if: bool = False
+    what_if_records: int = 0
 
     @cached_property
     def records(self) -> tuple[ReplayRecord, ...]:
@@ -336,9 +389,18 @@ class ReplayResult:
             text = "-" if not c["records"] else (
                 f"{c['events']} / {lo if lo == hi else f'{lo}..{hi}'} / {c['worst_underflow_pct']:.3g}%")
             grid.setdefault(c["row"], {})[c["policy"]] = text
-        rows = [[r, *(grid[r][p] for p in pols)] for r in grid]
+        hypo = set(self.what_if_tensors) if by == "tensor" else set()
+        rows = [[r + (" (what-if)" if r in hypo else ""), *(grid[r][p] for p in pols)] for r in grid]
         legend = "cells: overflow events / overflowing values / worst underflow share of a record"
         return text_table([by, *pols], rows, right=set(range(1, len(pols) + 1))) + "\n" + legend
+
+    def what_if_note(self) -> str:
+        """The line that says which what-if records were left out ("" when none were)."""
+        if not self.what_if_records:
+            return ""
+        names = ", ".join(self.what_if_tensors[:3]) + (", ..." if len(self.what_if_tensors) > 3 else "")
+        return (f"left out {self.what_if_records} records of {len(self.what_if_tensors)} what-if tensor(s), "
+                f"casts the run did not perform ({names}); what_if=True / --what-if replays them too")
 
     def worst(self, n: int = 10) -> list[ReplayRecord]:
         """The ``n`` worst records over all policies: by overflow share, then underflow share
@@ -352,11 +414,13 @@ class ReplayResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object (docs/cli.md): trace, rounding, policies, records (per policy),
-        fail_on."""
+        what_if, fail_on."""
         per_policy = {rp.policy: [replay_row(rp, i) for i in range(rp.cols["step"].size)]
                       for rp in self.replays}  # fmt: skip
         return {"trace": self.trace, "rounding": self.rounding,
                 "policies": [p.to_dict() for p in self.policies], "records": per_policy,
+                "what_if": {"tensors": list(self.what_if_tensors), "replayed": self.what_if,
+                            "records_left_out": self.what_if_records},
                 "fail_on": [c.to_dict() for c in self.crossings]}  # fmt: skip
 
     def to_json(self, path: str | os.PathLike | None = None) -> str | None:
@@ -411,6 +475,8 @@ class ReplayResult:
     def __repr__(self) -> str:
         lines = [f"ReplayResult: {len(self.policies)} policies over {self.trace_records} records of "
                  f"{self.trace} (rounding {self.rounding})"]  # fmt: skip
+        if self.what_if_records:
+            lines.append(self.what_if_note())
         if self.rules:
             lines.append(f"fail_on crossings: {len(self.crossings)}")
         lines.append(self.table())
@@ -418,7 +484,7 @@ class ReplayResult:
 
 
 def replay_result(trace: str, rounding: str, replays: Sequence, rules: Sequence[FailRule],
-                  crossings: Sequence[tuple], trace_records: int) -> ReplayResult:  # fmt: skip
+                  crossings: Sequence[tuple], trace_records: int, **what_if: Any) -> ReplayResult:  # fmt: skip
     """A :class:`ReplayResult` of :func:`~fp8sim.analysis.policy_replay.replay_policies`'
     columns and the ``(rule, policy, tensor, step)`` crossings."""
     return ReplayResult(
@@ -426,5 +492,5 @@ def replay_result(trace: str, rounding: str, replays: Sequence, rules: Sequence[
         policies=tuple(PolicySummary.from_dict(rp.summary()) for rp in replays),
         rules=tuple(rules),
         crossings=tuple(ReplayCrossing(str(rule), pol, name, step) for rule, pol, name, step in crossings),
-        replays=tuple(replays), trace_records=trace_records,
+        replays=tuple(replays), trace_records=trace_records, **what_if,
     )  # fmt: skip
