@@ -248,7 +248,7 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from fp8sim.analysis.api import replay
+    from fp8sim.analysis.replay_api import replay
     from fp8sim.analysis.report import REPLAY_FAIL_METRICS, parse_fail_on
 
     with spelled_as(REPLAY_FLAGS):

@@ -91,7 +91,8 @@ def run_demo(
     entries in :data:`REPORT_ENTRIES` are removed). ``progress``: as :meth:`Trainer.run`."""
     import torch
 
-    from fp8sim.analysis.api import analyze, replay
+    from fp8sim.analysis.api import analyze
+    from fp8sim.analysis.replay_api import replay
     from fp8sim.analysis.plots import plot_heatmap, plot_policy_summary
     from fp8sim.training import record
     from fp8sim.training.compare import compare_runs, plot_loss_curves

@@ -204,8 +204,8 @@ def report(args) -> None:
         if d:
             print(f"bf16 vs clean {args.recipe} ({metric}): {_cell(d)}")
     print()
-    print("| role | fault | share of values | share of steps | val loss | train loss (last 10) | codes changed |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| role | fault | share of values | share of steps | seeds | val loss | train loss (last 10) | codes changed |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     groups: dict[tuple, list] = {}
     for r in rows:
         if r["fault"] is not None and r["seed"] in base:
@@ -216,7 +216,7 @@ def report(args) -> None:
         tr = [(r["final_loss_smoothed"] - base[r["seed"]]["final_loss_smoothed"]) / base[r["seed"]]["final_loss_smoothed"]
               for r in rs]
         ch = [r["changed_share"] for r in rs if r["changed_share"] is not None]
-        print(f"| {role} | {fault} | {share:g} | {steps:g} | {_cell(val)} | {_cell(tr)} | "
+        print(f"| {role} | {fault} | {share:g} | {steps:g} | {len(rs)} | {_cell(val)} | {_cell(tr)} | "
               f"{statistics.mean(ch):.3g} |" + (" NaN loss" if any(r["nan"] for r in rs) else ""))
 
 
