@@ -42,9 +42,9 @@ STATUS_ORDER = {s: i for i, s in enumerate(STATUSES)}
 class Thresholds:
     """Status boundaries, all in percent: shares of a cast's values, and of a tensor's steps."""
 
-    underflow_warning: float = 1.0
-    underflow_critical: float = 10.0
-    overflow_warning: float = 0.01
+    underflow_warning: float = 10.0
+    underflow_critical: float = 25.0
+    overflow_warning: float = 0.1
     overflow_critical: float = 1.0
     steps_critical: float = 10.0
 
