@@ -120,6 +120,8 @@ def install(trainer: Trainer, fault: FaultInjectingBackend) -> None:
     """Make ``trainer``'s FP8 state cast through ``fault``, telling it each cast's role and step."""
     state = trainer.fp8
     state.backend = fault
+    for q in getattr(state, "quantizers", {}).values():  # each role's quantizer holds the backend too
+        q.backend = fault
     cast = state.cast
 
     def cast_with_role(name, role, x, **kw):
