@@ -128,13 +128,24 @@ def write_report(out: Path, recipe: str, fig: dict, vs_bf16: dict, backends: dic
         f"linear layers: nothing is cast; the casts are those {recipe} would make):",
         "",
         *_code(replayed_bf16.table()),
-        "Files: `runs/` (each run's config.json, metrics.jsonl, run.json and checkpoint.pt), "
-        "`traces/` (the recorded traces: `fp8sim analyze traces/...`, `fp8sim replay traces/...`), "
-        "`analyze.json` (the analysis as JSON), `summary.json` (the figures above), `plots/`.",
+        "Files: " + _run_files(out) + "; `traces/` (the recorded traces: `fp8sim analyze traces/...`, "
+        "`fp8sim replay traces/...`), `analyze.json` (the analysis as JSON), `summary.json` (the figures "
+        "above), `plots/`.",
         "",
     ]
     text = "\n".join(lines)
     atomic_write(out / "summary.md", lambda f: f.write(text.encode()))
+
+
+def _run_files(out: Path) -> str:
+    """What each run folder holds, as it is (a run stopped early has no run.json, and no
+    checkpoint before its first checkpoint step)."""
+    order = ("config.json", "metrics.jsonl", "run.json", "checkpoint.pt")
+    parts = []
+    for run in sorted((out / "runs").iterdir()):
+        held = [n for n in order if (run / n).is_file()]
+        parts.append(f"`runs/{run.name}/` ({', '.join(held)})")
+    return ", ".join(parts)
 
 
 def named_files(markdown: str) -> list[str]:
@@ -142,4 +153,6 @@ def named_files(markdown: str) -> list[str]:
     ``traces/...``, ``plots/...`` and ``*.json`` names in backticks."""
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown)
     quoted = re.findall(r"`((?:runs|traces|plots)/[^`\s]*|[a-z_]+\.json)`", markdown)
+    for folder, held in re.findall(r"`(runs/[^`\s]+/)` \(([^)]*)\)", markdown):  # a run's files
+        quoted += [folder + name.strip() for name in held.split(",")]
     return sorted(set(images) | {q.rstrip("/") for q in quoted if not q.endswith("...")})
