@@ -9,11 +9,13 @@ From Python::
     result.worst(5); result.table(); result.to_json("analysis.json"); result.to_pandas()
     replay("my-trace", ["delayed:history=16", "current"]).table()
 
-Modules: :mod:`.api` (:func:`analyze`, :func:`replay`), :mod:`.results` and :mod:`.records`
+Modules: :mod:`.api` (:func:`analyze`), :mod:`.replay_api` (:func:`replay`), :mod:`.results`,
+:mod:`.replay_result` and :mod:`.records`
 (what they return), :mod:`.dumps` (loading, FP8 companion scales), :mod:`.stats` (numba
 statistics), :mod:`.trace_summary` (a trace's recorded statistics), :mod:`.verdict` (per-layer
 verdicts of a trace), :mod:`.policy_replay`
-(policies over traces, the columns), :mod:`.report` (classes, tables, ``fail_on`` rules),
+(policies over traces, the columns), :mod:`.status` (the ok / warning / critical rule),
+:mod:`.report` (tables, ``fail_on`` rules),
 :mod:`.json_output` (JSON files), :mod:`.plots` (PNG), :mod:`.commands` (``fp8sim analyze`` /
 ``replay``), :mod:`.demo` (``fp8sim demo``).
 
@@ -30,9 +32,9 @@ from fp8sim.lazy_exports import lazy_attributes
 #: public name -> the module that defines it
 _EXPORTS = {
     "analyze": "fp8sim.analysis.api",
-    "replay": "fp8sim.analysis.api",
+    "replay": "fp8sim.analysis.replay_api",
     "AnalysisResult": "fp8sim.analysis.results",
-    "ReplayResult": "fp8sim.analysis.results",
+    "ReplayResult": "fp8sim.analysis.replay_result",
     "Log2Histogram": "fp8sim.analysis.results",
     "TensorRecord": "fp8sim.analysis.records",
     "TraceTensorRecord": "fp8sim.analysis.records",
@@ -44,12 +46,14 @@ _EXPORTS = {
     "ReplayCrossing": "fp8sim.analysis.records",
     "LayerVerdict": "fp8sim.analysis.records",
     "TraceSummary": "fp8sim.analysis.trace_summary",
+    "Thresholds": "fp8sim.analysis.status",
 }
 
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
-    from fp8sim.analysis.api import analyze, replay
+    from fp8sim.analysis.api import analyze
+    from fp8sim.analysis.replay_api import replay
     from fp8sim.analysis.records import (
         BadInput,
         Crossing,
@@ -61,7 +65,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
         TensorRecord,
         TraceTensorRecord,
     )
-    from fp8sim.analysis.results import AnalysisResult, Log2Histogram, ReplayResult
+    from fp8sim.analysis.replay_result import ReplayResult
+    from fp8sim.analysis.results import AnalysisResult, Log2Histogram
+    from fp8sim.analysis.status import Thresholds
     from fp8sim.analysis.trace_summary import TraceSummary
 
 

@@ -1,6 +1,7 @@
 """The analysis library: :func:`analyze` (FP8 statistics of tensors in files, checkpoints, traces
-or memory) and :func:`replay` (scaling policies over a recorded trace). ``fp8sim analyze`` and
-``fp8sim replay`` are these calls plus rendering.
+or memory) and :func:`replay` (scaling policies over a recorded trace;
+:mod:`fp8sim.analysis.replay_api`). ``fp8sim analyze`` and ``fp8sim replay`` are these calls plus
+rendering.
 
 Bad arguments raise :class:`~fp8sim.errors.ArgumentError` (a ``ValueError``) naming the
 parameter; a bad input (a missing, corrupt or refused file, a tensor whose data cannot be read)
@@ -16,9 +17,12 @@ import sys
 from typing import Any, Callable, Sequence
 
 from fp8sim.analysis.records import BadInput, Crossing, Note, TensorRecord
-from fp8sim.analysis.results import AnalysisResult, Log2Histogram, ReplayResult, replay_result
+from fp8sim.analysis.replay_api import replay
+from fp8sim.analysis.results import AnalysisResult, Log2Histogram
+from fp8sim.analysis.status import Thresholds
 from fp8sim.errors import ArgumentError, expect_bool, expect_int, expect_names, expect_real, expect_str
 
+#: ``replay`` is :func:`fp8sim.analysis.replay_api.replay`, importable from here too
 __all__ = ["analyze", "replay", "scale_fallback_notes"]
 
 #: ``fp8_scales`` values: analyze FP8 codes as stored, or dequantized with their companion scale
@@ -31,7 +35,8 @@ def _names(value: str | Sequence[str]) -> list[str]:
     return [str(t).strip() for t in items if str(t).strip()]
 
 
-def _progress(total: int, enabled: bool, unit: str):
+def progress_bar(total: int, enabled: bool, unit: str):
+    """A tqdm bar on stderr (disabled unless ``enabled``), for the analysis calls."""
     from tqdm import tqdm
 
     return tqdm(total=total, unit=unit, unit_scale=True, file=sys.stderr, disable=not enabled,
@@ -47,11 +52,12 @@ def _one_line(text: str) -> str:
 # ------------------------------------------------------------------------------------------
 # analyze
 # ------------------------------------------------------------------------------------------
-def _checked_options(formats, scalings, margin, pow2, fail_on, underflow_warning,
-                     underflow_critical, fp8_scales, fp8_block, chunk):  # fmt: skip
-    """(variants, rules, thresholds, fp8 block) of analyze's arguments, or ArgumentError."""
+def _checked_options(formats, scalings, margin, pow2, fail_on, thresholds, fp8_scales, fp8_block,
+                     chunk):  # fmt: skip
+    """(variants, rules, thresholds, fp8 block) of analyze's arguments, or ArgumentError.
+    ``thresholds``: {parameter: percent} of the status thresholds."""
     from fp8sim.analysis.dumps import parse_block
-    from fp8sim.analysis.report import Thresholds, parse_fail_on
+    from fp8sim.analysis.report import parse_fail_on
     from fp8sim.analysis.stats import parse_variants
     from fp8sim.scaling import check_margin
 
@@ -60,8 +66,8 @@ def _checked_options(formats, scalings, margin, pow2, fail_on, underflow_warning
     expect_real(margin, "margin", finite=False)  # its range: check_margin below
     expect_bool(pow2, "pow2")
     expect_str(fail_on, "fail_on", optional=True)
-    expect_real(underflow_warning, "underflow_warning")
-    expect_real(underflow_critical, "underflow_critical")
+    for name, value in thresholds.items():
+        expect_real(value, name, finite=False)  # their range: below
     expect_str(fp8_scales, "fp8_scales")
     expect_str(fp8_block, "fp8_block", optional=True)
     expect_int(chunk, "chunk", lowest=1, optional=True)
@@ -74,12 +80,13 @@ def _checked_options(formats, scalings, margin, pow2, fail_on, underflow_warning
         rules = parse_fail_on(fail_on) if fail_on is not None else []
     except ValueError as exc:
         raise ArgumentError.renamed(exc, "--fail-on", "fail_on") from None
-    try:
-        th = Thresholds(underflow_warning, underflow_critical)
-    except ValueError as exc:
-        why = str(exc).split(": ", 1)[-1]
-        raise ArgumentError("", "underflow_warning", f" {underflow_warning} / ", "underflow_critical",
-                            f" {underflow_critical}: {why}") from None  # fmt: skip
+    for what in ("underflow", "overflow"):
+        w, c = thresholds[f"{what}_warning"], thresholds[f"{what}_critical"]
+        if not (isinstance(w, (int, float)) and isinstance(c, (int, float))
+                and math.isfinite(w) and math.isfinite(c) and 0 <= w <= c <= 100):  # fmt: skip
+            raise ArgumentError("", f"{what}_warning", f" {w} / ", f"{what}_critical",
+                                f" {c}: need 0 <= warning <= critical <= 100 (percent)")  # fmt: skip
+    th = Thresholds(**thresholds)
     if fp8_scales not in FP8_SCALES:
         raise ArgumentError.about("fp8_scales", f" {fp8_scales!r}: valid: {', '.join(FP8_SCALES)}")
     block = None
@@ -176,16 +183,25 @@ def scale_fallback_notes(records: list[dict]) -> list[dict]:
     return out
 
 
+#: the formats and scalings analyze uses when none are given
+DEFAULT_FORMATS = ("e4m3", "e5m2")
+DEFAULT_SCALINGS = ("tensor",)
+
+
 def analyze(
     inputs: Any,
-    formats: str | Sequence[str] = ("e4m3", "e5m2"),
-    scalings: str | Sequence[str] = ("tensor",),
+    formats: str | Sequence[str] | None = None,
+    scalings: str | Sequence[str] | None = None,
     *,
     margin: float = 0.0,
     pow2: bool = False,
     fail_on: str | None = None,
-    underflow_warning: float = 0.5,
-    underflow_critical: float = 2.0,
+    underflow_warning: float = Thresholds.underflow_warning,
+    underflow_critical: float = Thresholds.underflow_critical,
+    overflow_warning: float = Thresholds.overflow_warning,
+    overflow_critical: float = Thresholds.overflow_critical,
+    what_if: bool = False,
+    allow_empty: bool = False,
     fp8_scales: str = "stored",
     fp8_block: str | None = None,
     keep_going: bool = False,
@@ -201,12 +217,19 @@ def analyze(
     named ``<input K>`` where a file's path would stand.
 
     ``formats`` / ``scalings``: names, or one comma-separated string (``"e4m3,e5m2"``;
-    scalings ``none``, ``tensor``, ``row``, ``col``, ``block:RxC``, ``mx``, ``mx:rceil``). The
-    figures are those of ``quantize_scaled(x, fmt, granularity, rounding="rne",
-    saturate=True)``; scales just in time from each group's amax, ``margin`` binades of headroom,
-    ``pow2`` rounds them down to powers of two (docs/analysis.md). ``fail_on``: rules such as
-    ``"overflow>0,underflow>1%"``, checked on every record (``result.crossings``). Status
-    thresholds ``underflow_warning`` / ``underflow_critical`` are percent. ``fp8_scales``:
+    scalings ``none``, ``tensor``, ``row``, ``col``, ``block:RxC``, ``mx``, ``mx:rceil``;
+    default e4m3, e5m2 and tensor). They apply to tensors in files and memory and to the full
+    tensors a trace saved; a trace's recorded statistics keep the run's own formats and scales
+    (a note says so when a trace saved no full tensor). The figures are those of
+    ``quantize_scaled(x, fmt, granularity, rounding="rne", saturate=True)``; scales just in time
+    from each group's amax, ``margin`` binades of headroom, ``pow2`` rounds them down to powers
+    of two (docs/analysis.md). ``fail_on``: rules such as ``"overflow>0,underflow>1%"`` or
+    ``"critical"``, checked on every record (``result.crossings``). The status thresholds
+    ``underflow_*`` / ``overflow_*`` are percent (:mod:`fp8sim.analysis.status`). ``what_if``:
+    count the casts a trace records but its run did not perform (``what_if`` rows: weight
+    gradients under ``te-*`` recipes) in ``counts``, the verdict and ``fail_on``; they are
+    listed, labelled, either way. ``allow_empty``: return a result with nothing analyzed
+    instead of raising ValueError (no float tensor, no recorded step). ``fp8_scales``:
     ``stored`` (FP8 codes as they are) or ``apply`` (dequantized with their companion
     ``NAME_scale_inv`` / ``NAME_scale``; ``fp8_block`` ``"RxC"`` for block scales).
     ``keep_going``: a bad file or tensor is listed in ``result.errors`` instead of raising.
@@ -215,16 +238,21 @@ def analyze(
     from fp8sim.analysis.run_traces import merged_runs
     from fp8sim.analysis.te_log_summary import split_te_logs
 
+    explicit = formats is not None or scalings is not None
     variants, rules, th, block = _checked_options(
-        formats, scalings, margin, pow2, fail_on, underflow_warning, underflow_critical,
+        DEFAULT_FORMATS if formats is None else formats, DEFAULT_SCALINGS if scalings is None else scalings,
+        margin, pow2, fail_on,
+        {"underflow_warning": underflow_warning, "underflow_critical": underflow_critical,
+         "overflow_warning": overflow_warning, "overflow_critical": overflow_critical},
         fp8_scales, fp8_block, chunk)  # fmt: skip
-    expect_bool(keep_going, "keep_going")
-    expect_bool(progress, "progress")
+    for name, value in (("what_if", what_if), ("allow_empty", allow_empty), ("keep_going", keep_going),
+                        ("progress", progress)):  # fmt: skip
+        expect_bool(value, name)
     inputs, te_notes, te_paths = split_te_logs(inputs)
     if inputs is None:  # TE debug logs only: their statistics, said as notes
         return AnalysisResult(variants=tuple(variants), records=(), traces=(),
                               notes=tuple(Note(**n) for n in te_notes), errors=(), rules=tuple(rules),
-                              crossings=(), files=tuple(te_paths))  # fmt: skip
+                              crossings=(), files=tuple(te_paths), what_if=what_if)  # fmt: skip
     run_errors: list[dict] = []
 
     def bad_run(path: str, exc: Exception) -> None:  # a run whose rank traces cannot be merged
@@ -232,18 +260,21 @@ def analyze(
             raise ValueError(_one_line(str(exc)))
         run_errors.append({"file": path, "name": None, "reason": _one_line(str(exc))})
 
+    opts = {"variants": variants, "rules": rules, "th": th, "block": block, "fp8_scales": fp8_scales,
+            "explicit": explicit, "what_if": what_if, "allow_empty": allow_empty, "keep_going": keep_going,
+            "chunk": chunk, "progress": progress}  # fmt: skip
     with merged_runs(inputs, bad_run) as (inputs, shown, run_notes):
-        run_notes = te_notes + run_notes
-        return _analyze_opened(inputs, shown, run_notes, run_errors, variants, rules, th, block, fp8_scales,
-                               keep_going, chunk, progress)  # fmt: skip
+        return _analyze_opened(inputs, shown, te_notes + run_notes, run_errors, **opts)
 
 
-def _analyze_opened(inputs, shown, run_notes, run_errors, variants, rules, th, block, fp8_scales, keep_going, chunk,
-                    progress) -> AnalysisResult:  # fmt: skip
+def _analyze_opened(inputs, shown, run_notes, run_errors, *, variants, rules, th, block, fp8_scales, explicit,
+                    what_if, allow_empty, keep_going, chunk, progress) -> AnalysisResult:  # fmt: skip
     """:func:`analyze` once its options are checked and run directories merged (``shown``: a
-    merged trace's path -> the run directory shown for it)."""
+    merged trace's path -> the run directory shown for it; ``explicit``: formats or scalings
+    were given)."""
     from fp8sim.analysis.dumps import FLOAT_DTYPES, link_fp8_scales
-    from fp8sim.analysis.report import classify, escape_cell, failures, sort_worst_first
+    from fp8sim.analysis.report import escape_cell, failures, sort_worst_first
+    from fp8sim.analysis.status import classify
     from fp8sim.analysis.stats import tensor_stats
     from fp8sim.analysis.trace_summary import summarize_trace
     from fp8sim.analysis.verdict import layer_verdicts
@@ -274,12 +305,18 @@ def _analyze_opened(inputs, shown, run_notes, run_errors, variants, rules, th, b
     total = 2 * sum(t.numel for d in dumps for t in d.tensors if t.is_float)
     records: list[dict] = []
     traces, plot_items, verdicts = [], [], []
-    bar = _progress(total, progress, "elem")
+    bar = progress_bar(total, progress, "elem")
     try:
         for dump in dumps:
             for name, reason in dump.skipped:
                 notes.append({"file": dump.path, "name": name, "note": f"skipped: {reason}"})
             if dump.trace is not None:
+                if explicit and not dump.tensors:
+                    notes.append({"file": dump.path, "name": None,
+                                  "note": "the formats and scalings asked for apply to the full tensors a trace "
+                                          "saved, and this one saved none: its recorded statistics are in the "
+                                          "run's own formats and scales (record with save_every=K, --save-every K, "
+                                          "to analyze tensors under others)"})  # fmt: skip
                 try:
                     summary = summarize_trace(dump.path, dump.trace, th)
                 except ValueError as exc:  # a corrupt chunk: the other files still go on
@@ -288,7 +325,7 @@ def _analyze_opened(inputs, shown, run_notes, run_errors, variants, rules, th, b
                     traces.append(summary)
                     plot_items.append(summary)
                     try:
-                        verdicts += layer_verdicts(dump.path, dump.trace, th.underflow_warning)
+                        verdicts += layer_verdicts(dump.path, dump.trace, th, what_if=what_if)
                     except ValueError as exc:  # a corrupt saved tensor
                         bad(dump.path, exc)
             for src in dump.tensors:
@@ -308,9 +345,11 @@ def _analyze_opened(inputs, shown, run_notes, run_errors, variants, rules, th, b
                     bad(dump.path, exc, src.name)  # record), the file's others go on
                     continue
                 st.file = dump.path
+                wi = _saved_what_if(dump.trace, src.name)
                 for rec in st.records():
                     rec["status"] = classify(rec, th)
                     rec["dequantized_with"] = getattr(src, "described", None)  # fp8_scales apply
+                    rec["what_if"] = wi
                     records.append(rec)
                 plot_items.append(_histogram(st, dump.path))
     finally:
@@ -319,7 +358,10 @@ def _analyze_opened(inputs, shown, run_notes, run_errors, variants, rules, th, b
     records = sort_worst_first(records)
     notes += scale_fallback_notes(records)
     trace_rows = [r.to_dict() for t in traces for r in t.tensors]
-    crossed = failures(records + trace_rows, rules) if rules else []
+    if not records and not trace_rows and not errors and not allow_empty:
+        raise ValueError(_nothing_analyzed(files, dumps, notes))
+    counted = [r for r in records + trace_rows if what_if or not r["what_if"]]
+    crossed = failures(counted, rules) if rules else []
     return AnalysisResult(
         variants=tuple(variants),
         records=tuple(TensorRecord.from_dict(r) for r in records),
@@ -331,99 +373,33 @@ def _analyze_opened(inputs, shown, run_notes, run_errors, variants, rules, th, b
         files=tuple(files),
         verdicts=tuple(verdicts),
         plot_items=tuple(plot_items),
+        what_if=what_if,
     )  # fmt: skip
 
 
-# ------------------------------------------------------------------------------------------
-# replay
-# ------------------------------------------------------------------------------------------
-def _replay_failures(replays: list, rules: list) -> list[tuple]:
-    """(rule, policy, tensor, step) of every replayed record that crosses a rule: earliest step
-    first, then policy order, then recording order. A record whose counts are a bracket (a
-    non-power-of-two scale) crosses only when its whole bracket does: the lower bound is compared
-    for ``>``/``>=``, the upper for ``<``/``<=``. Shares with a zero denominator never cross."""
-    found = []
-    for pi, rp in enumerate(replays):
-        c = rp.cols
-        events: dict[int, int] = {}
-        for i in range(c["step"].size):
-            tid = int(c["tensor"][i])
-            events[tid] = events.get(tid, 0) + int(c["event"][i])
-            fin, nz = int(c["finite"][i]), int(c["nonzero"][i])
-            bound = {}
-            for b in ("lo", "hi"):
-                ov, un = int(c[f"overflow_{b}"][i]), int(c[f"underflow_{b}"][i])
-                bound[b] = {"overflow": ov, "overflow_pct": 100.0 * ov / fin if fin else None,
-                            "underflow": un, "underflow_pct": 100.0 * un / nz if nz else None,
-                            "events": events[tid]}  # fmt: skip
-            for rule in rules:
-                if rule.crossed(bound["lo" if rule.op in (">", ">=") else "hi"]):
-                    found.append((int(c["step"][i]), pi, i, rule, rp.policy, rp.names[tid]))
-    found.sort(key=lambda f: f[:3])  # stable: rules keep their order within a record
-    return [(rule, policy, tensor, step) for step, _, _, rule, policy, tensor in found]
-
-
-def replay(
-    trace: Any,
-    policies: str | Sequence[str],
-    *,
-    include_recorded: bool = True,
-    fail_on: str | None = None,
-    progress: bool = False,
-) -> ReplayResult:
-    """What each scaling policy would have done over the recorded ``trace`` (a trace directory
-    or a :class:`fp8sim.trace.TraceReader`), step by step: the scale per tensor and step,
-    overflow events, overflow / underflow counts (exact for power-of-two scales, else a bracket);
-    see :mod:`fp8sim.analysis.policy_replay`.
-
-    ``policies``: specs such as ``"delayed:history=16,margin=1"``, ``"current:pow2"``,
-    ``"msamp"``, ``"autoscale"``, ``"static:scale=1"`` (one string is one spec; ``fp8sim
-    policies`` lists them); the same policy spelled twice is replayed once.
-    ``include_recorded``: the trace's own scales first, as the policy ``recorded``. ``fail_on``:
-    rules such as ``"overflow>0,underflow>1%,events>2"`` checked per policy x tensor x step
-    (``result.crossings``). ``progress``: a bar on stderr.
-    """
-    from fp8sim.analysis.report import REPLAY_FAIL_METRICS, parse_fail_on
-    from fp8sim.analysis.run_traces import merged_runs
-    from fp8sim.trace import TraceReader, is_trace
-
-    expect_names(policies, "policies")
-    expect_bool(include_recorded, "include_recorded")
-    expect_str(fail_on, "fail_on", optional=True)
-    expect_bool(progress, "progress")
+def _saved_what_if(trace: Any, name: str) -> bool:
+    """Whether the saved full tensor ``name`` (``W@stepS``) of ``trace`` (a TraceReader, or None
+    for other dumps) is one of a cast the run did not perform."""
+    if trace is None or "@step" not in name:
+        return False
     try:
-        rules = parse_fail_on(fail_on, REPLAY_FAIL_METRICS) if fail_on is not None else []
-    except ValueError as exc:
-        raise ArgumentError.renamed(exc, "--fail-on", "fail_on") from None
-    specs = [policies] if isinstance(policies, str) else list(policies)
-    if not specs:
-        raise ArgumentError.about("policies", ": give one policy spec or more (e.g. 'current')")
-    if isinstance(trace, TraceReader):
-        return _replay_reader(trace, str(trace.path), specs, include_recorded, rules, progress)
-    shown = os.fspath(trace)
-    if not os.path.exists(shown):
-        raise ValueError(f"{shown}: no such directory")
-    with merged_runs(shown) as (path, _, _):
-        if not os.path.isdir(path) or not is_trace(path):
-            raise ValueError(f"{shown}: not an fp8sim trace directory (no trace.json of the "
-                             "fp8sim-trace schema, nor rank0/, rank1/, ... traces of a run)")  # fmt: skip
-        return _replay_reader(TraceReader(path), shown, specs, include_recorded, rules, progress)
+        return trace.tensor(name.rsplit("@step", 1)[0]).what_if
+    except ValueError:
+        return False
 
 
-def _replay_reader(reader, shown: str, specs: list, include_recorded: bool, rules: list,
-                   progress: bool) -> ReplayResult:  # fmt: skip
-    """:func:`replay` over an open trace (``shown``: the path given for it)."""
-    from fp8sim.analysis.policy_replay import replay_policies
-    from fp8sim.scaling_config import parse_scaling, scaling_spec
-
-    n_records = int(reader.scalars()["step"].size)
-    # one per policy, however often it is spelled (replay_policies replays it once)
-    n_pol = len({scaling_spec(*parse_scaling(p)) for p in specs}) + (1 if include_recorded else 0)
-    bar = _progress(n_records * n_pol, progress, "rec")
-    try:
-        replays = replay_policies(reader, specs, include_recorded=include_recorded,
-                                  progress=bar.update)  # fmt: skip
-    finally:
-        bar.close()
-    crossed = _replay_failures(replays, rules) if rules else []
-    return replay_result(shown, reader.rounding, replays, rules, crossed, n_records)
+def _nothing_analyzed(files: list[str], dumps: list, notes: list[dict]) -> str:
+    """The one line that says why an analysis found nothing to analyze."""
+    traces = [d.path for d in dumps if d.trace is not None]
+    skipped = [n for n in notes if str(n.get("note", "")).startswith(("skipped", "empty tensor"))]
+    what = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "") if files else "the input"
+    why = []
+    if skipped:
+        first = skipped[0]
+        why.append(f"{len(skipped)} tensor(s) skipped (first: {first['name']}: {first['note']})")
+    if traces:
+        why.append(f"{len(traces)} trace(s) without a recorded step")
+    if not why:
+        why.append("no tensor in it")
+    return (f"no data analyzed in {what}: " + "; ".join(why)
+            + " (allow_empty=True, --allow-empty on the command line, to accept this)")

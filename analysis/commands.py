@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fp8sim.analysis.status import Thresholds
 from fp8sim.commands.output import one_line
 from fp8sim.errors import spelled_as
 
@@ -31,9 +32,12 @@ __all__ = ["register", "run_analyze", "run_replay"]
 #: what ``fp8sim analyze --help`` says about its table (docs/cli.md says more)
 ANALYZE_EPILOG = """\
 table, one row per tensor x format x scaling, worst first:
-  status     critical: any value overflows, or underflow >= --underflow-critical (2%);
-             warning: underflow >= --underflow-warning (0.5%), or NaN/inf present, or MX blocks
-             lost to a NaN scale, or values clamped by the MX floor rule; ok: otherwise
+  status     critical: overflow >= --overflow-critical ({oc:g}%) of the values, or underflow >=
+             --underflow-critical ({uc:g}%); warning: overflow >= --overflow-warning ({ow:g}%),
+             underflow >= --underflow-warning ({uw:g}%), NaN/inf present, MX blocks lost to a NaN
+             scale, or values clamped by the MX floor rule (>= {ow:g}%); ok: otherwise.
+             A trace tensor: critical when >= {sc:g}% of its steps after warm-up are critical
+             casts, warning when any is a warning or critical cast (docs/analysis.md)
   amax       max |x| (inf: a value beyond float32's range)
   scale      the multiplier applied before the cast (the smallest one for row/block/MX)
   overflow   finite values whose scaled magnitude rounds above the format's max, with their
@@ -43,9 +47,14 @@ table, one row per tensor x format x scaling, worst first:
   sqnr_db    signal-to-quantization-noise ratio in dB (exact: no error; -inf: an error that is
              not finite; -: undefined)
 
---fail-on METRIC OP VALUE[%], comma-separated, OP one of > >= < <=; METRIC one of:
-  overflow, underflow, subnormal (count, or % share), nan, inf, lost, sqnr_db, rel_mse, amax
-  e.g. --fail-on "overflow>0,underflow>1%,sqnr_db<20"   (exit 1 when any record crosses one)
+--fail-on RULES, comma-separated: a status word, critical or warning (crossed by any row of
+  that status or worse: --fail-on critical is the gate the statuses stand for), or
+  METRIC OP VALUE[%] with OP one of > >= < <= and METRIC one of:
+  overflow, clamped, underflow, subnormal (count, or % share), nan, inf, lost, sqnr_db, rel_mse, amax
+  (clamped: values the MX floor rule clamps, which overflow never counts)
+  e.g. --fail-on critical, --fail-on "overflow>0,underflow>1%,sqnr_db<20"   (exit 1 when any
+  counted row crosses one; what-if rows count only with --what-if)
+exit: 0 ok; 1 a --fail-on rule crossed; 2 bad input, or no data analyzed (--allow-empty: 0)
 """
 
 
@@ -67,15 +76,18 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Analyze tensors in .safetensors/.pt/.pth/.npy/.npz files, directories of them, or "
             "fp8sim traces. .pt files load with torch.load(weights_only=True) only."
         ),
-        epilog=ANALYZE_EPILOG,
+        epilog=ANALYZE_EPILOG.format(uw=Thresholds.underflow_warning, uc=Thresholds.underflow_critical,
+                                     ow=Thresholds.overflow_warning, oc=Thresholds.overflow_critical,
+                                     sc=Thresholds.steps_critical),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="dump files, directories or traces")
-    p.add_argument("--format", default="e4m3,e5m2", action=_CommaList,
-                   help="comma-separated formats, or the option repeated (default e4m3,e5m2)")
+    p.add_argument("--format", default=None, action=_CommaList,
+                   help="comma-separated formats, or the option repeated (default e4m3,e5m2); "
+                        "for a trace: its saved full tensors")  # fmt: skip
     p.add_argument(
         "--scaling",
-        default="tensor",
+        default=None,
         action=_CommaList,
         help="comma-separated, or the option repeated: none, tensor, row, col, block:RxC, mx, mx:rceil, "
              "nvfp4[:16x1|:2d][:torchao|:torchao-block] (always e2m1) (default tensor)",
@@ -86,10 +98,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--fail-on", metavar="RULES", help='e.g. "overflow>0,underflow>1%%": exit 1 if crossed')
     p.add_argument("--keep-going", action="store_true", help="analyze the other files past a bad one")
-    p.add_argument("--underflow-warning", type=float, default=0.5, metavar="PCT",
-                   help="underflow share that makes a tensor a warning (default 0.5%%)")  # fmt: skip
-    p.add_argument("--underflow-critical", type=float, default=2.0, metavar="PCT",
-                   help="underflow share that makes a tensor critical (default 2%%)")  # fmt: skip
+    for what, level in (("underflow", "warning"), ("underflow", "critical"), ("overflow", "warning"),
+                        ("overflow", "critical")):  # fmt: skip
+        default = getattr(Thresholds, f"{what}_{level}")
+        p.add_argument(f"--{what}-{level}", type=float, default=default, metavar="PCT",
+                       help=f"{what} share that makes a cast {'a ' if level == 'warning' else ''}{level} "
+                            f"(default {default:g}%%)")  # fmt: skip
+    p.add_argument("--what-if", action="store_true",
+                   help="count the casts a trace records but its run did not perform (what-if rows: weight "
+                        "gradients under te-* recipes) in the summary, the verdict and --fail-on")  # fmt: skip
+    p.add_argument("--allow-empty", action="store_true",
+                   help="exit 0 when nothing was analyzed (no float tensor, no recorded step); default: exit 2")
     p.add_argument("--top", type=int, default=50, help="table rows to print (0: all; default 50)")
     p.add_argument("--scales", "--fp8-scales", dest="scales", choices=("stored", "apply"),
                    default="stored",
@@ -125,6 +144,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--json", metavar="FILE", help="write JSON to FILE ('-' for stdout)")
     r.add_argument("--plot", metavar="DIR", help="write PNG heatmaps into DIR")
     r.add_argument("--no-recorded", action="store_true", help="leave out the trace's own scales")
+    r.add_argument("--what-if", action="store_true",
+                   help="replay the casts the trace records but its run did not perform too (what-if "
+                        "tensors: weight gradients under te-* recipes); left out by default")  # fmt: skip
     r.add_argument("--by", choices=("policy", "tensor", "layer"), default="policy",
                    help="table rows: one per policy (default), or per tensor / per layer with a "
                         "column per policy (cells: overflow events / overflowing values / worst "
@@ -139,7 +161,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 #: the library's parameter -> the flag that sets it (messages name the flags)
 ANALYZE_FLAGS = {"formats": "--format", "scalings": "--scaling", "margin": "--margin",
                  "fail_on": "--fail-on", "underflow_warning": "--underflow-warning",
-                 "underflow_critical": "--underflow-critical", "fp8_scales": "--scales",
+                 "underflow_critical": "--underflow-critical", "overflow_warning": "--overflow-warning",
+                 "overflow_critical": "--overflow-critical", "fp8_scales": "--scales",
                  "fp8_block": "--fp8-block", "chunk": "--chunk", "top": "--top", "path": "--json",
                  "directory": "--plot"}  # fmt: skip
 REPLAY_FLAGS = {"policies": "--policy", "fail_on": "--fail-on", "path": "--json",
@@ -164,6 +187,16 @@ def _outputs_checked(json_dest: str | None, plot: str | None):
     return PlotDir(plot)
 
 
+def _note_generic_formats(formats: str | None) -> None:
+    """A note on stderr for each ``--format`` that is a generic eXmY, not a named format."""
+    from fp8sim.formats import generic_format_note
+
+    for name in (formats or "").split(","):
+        note = generic_format_note(name.strip()) if name.strip() else None
+        if note:
+            _msg(f"note: --format {note}")
+
+
 def _write_json(result, dest: str | None) -> None:
     if dest == "-":
         sys.stdout.write(result.to_json() + "\n")
@@ -178,11 +211,14 @@ def run_analyze(args: argparse.Namespace) -> int:
     with spelled_as(ANALYZE_FLAGS):
         if args.top < 0:
             raise ValueError(f"--top must be >= 0 (0 prints every row), got {args.top}")
+        _note_generic_formats(args.format)
         plot_dir = _outputs_checked(args.json, args.plot)
         result = analyze(
             args.paths, args.format, args.scaling, margin=args.margin, pow2=args.pow2,
             fail_on=args.fail_on, underflow_warning=args.underflow_warning,
-            underflow_critical=args.underflow_critical, fp8_scales=args.scales,
+            underflow_critical=args.underflow_critical, overflow_warning=args.overflow_warning,
+            overflow_critical=args.overflow_critical, what_if=args.what_if, allow_empty=args.allow_empty,
+            fp8_scales=args.scales,
             fp8_block=args.fp8_block, keep_going=args.keep_going, chunk=args.chunk,
             progress=args.json is None and sys.stderr.isatty(),
         )  # fmt: skip
@@ -194,8 +230,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     for n in result.notes:
         _msg(f"note: {escape_cell(n.file)}: " + (f"{escape_cell(n.name)}: " if n.name else "")
              + one_line(n.note))  # fmt: skip
-    counts = result.counts
-    _msg(f"{counts['critical']} critical, {counts['warning']} warning, {counts['ok']} ok")
+    _msg(result.summary_line())
     if result.errors:  # the same items as JSON "errors": whole files, then single tensors
         for title, whole in (("bad files", True), ("bad tensors", False)):
             listed = [e.reason for e in result.errors if (e.name is None) == whole]
@@ -213,7 +248,7 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from fp8sim.analysis.api import replay
+    from fp8sim.analysis.replay_api import replay
     from fp8sim.analysis.report import REPLAY_FAIL_METRICS, parse_fail_on
 
     with spelled_as(REPLAY_FLAGS):
@@ -225,7 +260,7 @@ def run_replay(args: argparse.Namespace) -> int:
         if not args.policy:
             raise ValueError("replay: give --policy SPEC (one or more) or --allreduce N")
         plot_dir = _outputs_checked(None, args.plot)
-        result = replay(args.trace, args.policy, include_recorded=not args.no_recorded,
+        result = replay(args.trace, args.policy, include_recorded=not args.no_recorded, what_if=args.what_if,
                         fail_on=args.fail_on, progress=args.json is None and sys.stderr.isatty())  # fmt: skip
         _write_json(result, args.json)
         if args.json != "-":
@@ -239,6 +274,8 @@ def run_replay(args: argparse.Namespace) -> int:
             _msg(f"policy {pol.policy}: replayed at the {pol.records} records with a saved full tensor; "
                  f"{pol.skipped} without one left out")  # fmt: skip
     _msg(f"replayed {result.trace_records} records under {len(result.policies)} policies")
+    if result.what_if_records:
+        _msg(result.what_if_note())
     if result.crossings:
         c = result.crossings[0]
         _msg(f"--fail-on: {len(result.crossings)} crossing(s); first: {c.rule} under policy "

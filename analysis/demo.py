@@ -9,8 +9,8 @@
    1e-3 relative;
 3. analyzes the FP8 trace (:func:`fp8sim.analysis.analyze`), replays scaling policies over it
    (:func:`fp8sim.analysis.replay`), and compares the runs (``fp8sim compare``);
-4. writes a report folder: ``summary.md`` (targets measured, tables), PNG plots, the runs and
-   the traces.
+4. writes a report folder: ``summary.md`` (how to read it, targets measured, tables; see
+   :mod:`fp8sim.analysis.demo_report`), PNG plots, the runs and the traces.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from fp8sim.analysis.demo_report import write_report
 from fp8sim.atomic_file import atomic_write, owned_dir
 
 __all__ = ["register", "run_demo", "run"]
@@ -137,7 +138,8 @@ def _demo(out: Path, recipe: str, base: dict, quick: bool, progress: bool | None
     """The demo's work into ``out`` (ready and held: see :func:`run_demo`)."""
     import torch
 
-    from fp8sim.analysis.api import analyze, replay
+    from fp8sim.analysis.api import analyze
+    from fp8sim.analysis.replay_api import replay
     from fp8sim.analysis.plots import plot_heatmap, plot_policy_summary
     from fp8sim.training import record
     from fp8sim.training.compare import compare_runs, plot_loss_curves
@@ -193,17 +195,16 @@ def _demo(out: Path, recipe: str, base: dict, quick: bool, progress: bool | None
     _msg("analyzing the FP8 trace")
     analysis = analyze(str(traces["fp8_torch"]))
     analysis.to_json(out / "analyze.json")
-    analysis.plot(plots / "analyze")
-    c = analysis.counts
-    _msg(f"analysis: {c['critical']} critical, {c['warning']} warning, {c['ok']} ok")
+    _msg(f"analysis: {analysis.summary_line()}")
+    summary = analysis.traces[0]
+    for key in ("underflow", "overflow"):  # one heatmap each: the trace as recorded
+        st, mat = summary.grid(key)
+        plot_heatmap(plots / f"{key}_recorded.png", f"{recipe} trace: recorded {key} share (%)",
+                     summary.row_labels(), st, mat)  # fmt: skip
     _msg("replaying scaling policies over the FP8 trace")
     replayed = replay(str(traces["fp8_torch"]), list(REPLAY_POLICIES))
     summaries = [p.to_dict() for p in replayed.policies]
     plot_policy_summary(plots / "policies.png", summaries)
-    for rp in replayed.replays[:2]:  # the recorded scales and the run's own policy
-        st, mat = rp.grid("underflow_share")
-        tag = "recorded" if rp.policy == "recorded" else "delayed"
-        plot_heatmap(plots / f"underflow_{tag}.png", f"{rp.policy}: underflow share (%)", rp.names, st, 100 * mat)
     replayed_bf16 = replay(str(traces["bf16"]), list(REPLAY_POLICIES[:3]))
     loss_png = plot_loss_curves([runs["bf16"], runs["fp8_torch"], runs["fp8_emulator"]], plots / "loss_curves.png",
                                 title=f"bf16 vs {recipe} (torch and emulator backends)")
@@ -233,12 +234,18 @@ def _demo(out: Path, recipe: str, base: dict, quick: bool, progress: bool | None
         },
         "memory_bytes_per_param": vs_bf16["memory_bytes_per_param"],
         "events": vs_bf16["events"],
+        "analysis": analysis.counts | {"what_if_rows": analysis.what_if_rows},
+        # the run's overflowing values, counted three ways: they are the same casts
+        "overflow_counted_by": {
+            "compare": vs_bf16["events"]["b"]["overflow_total"],
+            "replay_recorded": int(replayed.policies[0].overflow),
+            "analyze_trace": sum(t.overflow for t in summary.tensors if not t.what_if),
+        },
         "replay": summaries,
     }
     summary_json = json.dumps(fig, indent=2, default=str) + "\n"
     atomic_write(out / "summary.json", lambda f: f.write(summary_json.encode()))
-    _write_report(out, recipe, fig, vs_bf16, backends, analysis.table(top=40), replayed.table(),
-                  replayed_bf16.table(), loss_png)
+    write_report(out, recipe, fig, vs_bf16, backends, analysis, replayed, replayed_bf16, loss_png)
     _msg(f"wrote {out / 'summary.md'} ({fig['wall_s']} s)")
     return fig
 
@@ -256,80 +263,6 @@ def _clear_previous_report(out: Path) -> None:
                          f"{entries[0]!r}); the demo writes its report into a new one")  # fmt: skip
     clear_listed(out, REPORT_LIST, REPORT_SCHEMA, "--out")
     _msg(f"replaced the previous report in {out}")
-
-
-def _write_report(out, recipe, fig, vs_bf16, backends, analyze_text, replay_table, replay_bf16, loss_png) -> None:
-    from fp8sim.training.compare import format_comparison
-
-    e, t = fig["emulator_vs_torch"], fig["fp8_vs_bf16"]
-    ok = lambda b: "yes" if b else "**no**"  # noqa: E731
-    m = fig["model"]
-    lines = [
-        f"# fp8sim demo: bf16 vs {recipe}",
-        "",
-        f"Byte-level GPT ({m['n_layer']} layers, {m['n_embd']} wide, context {m['block_size']}), "
-        f"batch {fig['batch'][0]}x{fig['batch'][1]} bytes, {fig['steps']} steps, corpus "
-        f"{fig['corpus_bytes']:,} bytes of Python standard-library source. Wall time {fig['wall_s']} s "
-        f"(training: " + ", ".join(f"{k} {v} s" for k, v in fig["train_s"].items()) + ").",
-        "",
-        "## Targets (measured)",
-        "",
-        "| target | measured | met |",
-        "| --- | --- | --- |",
-        f"| {recipe} final training loss within 2% of bf16 | {t['final_loss_fp8']:.4f} vs {t['final_loss_bf16']:.4f} "
-        f"({t['final_loss_rel']:+.2%}; last-10-step mean {t['smoothed_rel']:+.2%}, val {t['val_loss_rel']:+.2%}) "
-        f"| {ok(t['within_2pct'])} |",
-        f"| emulator vs torch backend: identical FP8 codes at step 1 | {e['step1_identical']} of {e['step1_casts']} casts "
-        f"identical (codes and scale_inv) | {ok(e['codes_identical_step1'])} |",
-        f"| emulator vs torch backend: loss curves within 1e-3 relative | max {e['max_rel_loss_diff']:.2e} over "
-        f"{backends['common_steps']} steps | {ok(e['within_1e-3'])} |",
-        "",
-        f"![loss curves]({Path(loss_png).relative_to(out).as_posix()})",
-        "",
-        f"## bf16 vs {recipe} (`fp8sim compare`)",
-        "",
-        "```",
-        format_comparison(vs_bf16),
-        "```",
-        "",
-        "Memory is measured from the live tensors at the end of each run: every recipe here keeps "
-        "float32 master weights, gradients and AdamW moments (16 bytes per parameter); the FP8 "
-        "recipes save uint8 activations for the backward pass, which this count does not include.",
-        "",
-        f"## Scaling policies replayed over the {recipe} trace (`fp8sim replay`)",
-        "",
-        "`recorded` is what the run did; every other row is what that policy would have done on the "
-        "same tensors (exact counts for power-of-two scales, else a bracket). The `weight_grad` tensors "
-        "are recorded against E5M2 with the run's policy although Transformer Engine keeps weight "
-        "gradients in float32: their rows show what an FP8 weight gradient (FP8-LM) would face.",
-        "",
-        "```",
-        replay_table,
-        "```",
-        "",
-        "![policies](plots/policies.png)",
-        "",
-        "![underflow share per tensor and step, as recorded](plots/underflow_recorded.png)",
-        "",
-        "The bf16 run recorded the same tensors through `fp8sim.training.record` (hooks; the casts "
-        "are hypothetical, te-delayed's):",
-        "",
-        "```",
-        replay_bf16,
-        "```",
-        "",
-        f"## Per-tensor statistics of the {recipe} trace (`fp8sim analyze`)",
-        "",
-        "```",
-        analyze_text.rstrip(),
-        "```",
-        "",
-        "Histograms of log2|x| per tensor are in `plots/analyze/`; runs (metrics.jsonl, checkpoints) "
-        "in `runs/`, traces in `traces/`.",
-        "",
-    ]
-    summary_md = "\n".join(lines)
-    atomic_write(out / "summary.md", lambda f: f.write(summary_md.encode()))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 from fp8sim.atomic_file import atomic_write, save_figure
 
 __all__ = ["PlotDir", "plot_log2_histogram", "plot_heatmap", "plot_policy_summary", "safe_name",
-           "color_limit", "wrap_name"]
+           "color_limit", "wrap_name", "integer_ticks"]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -190,6 +190,13 @@ def _plt():
     return plt
 
 
+def integer_ticks(axis) -> None:
+    """Ticks at whole numbers only (steps, counts, binades): never 2.5 or 7.5."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def plot_log2_histogram(
     path: str | os.PathLike,
     title: str,
@@ -229,6 +236,7 @@ def plot_log2_histogram(
         aw.set_yticks([])
         aw.set_xlim(lo_e - 1, hi_e + 12)  # room for the labels
         aw.set_xlabel("log2 |x|   (bars: |x| range each format x scaling represents)")
+        integer_ticks(aw.xaxis)
         ax.set_ylabel("values per binade")
         ax.set_title(_label(title), fontsize=9)
         fig.tight_layout()
@@ -263,6 +271,7 @@ def plot_heatmap(
         ax.set_yticks(range(len(names)))
         ax.set_yticklabels(labels, fontsize=6)
         ax.set_xlabel("step")
+        integer_ticks(ax.xaxis)
         if above:  # said where it is read: under the title
             note = (f"colour scale clipped at {top:.3g}: {above} cell(s) above it, up to "
                     f"{float(np.nanmax(raw)):.3g}, show in the top colour")
@@ -289,6 +298,7 @@ def plot_policy_summary(path: str | os.PathLike, summaries: Sequence[dict]) -> s
         y = np.arange(len(labels))
         a1.barh(y, [s.get("events", 0) for s in summaries], color="tab:red")
         a1.set_title("overflow events (amax beyond max)", fontsize=9)
+        integer_ticks(a1.xaxis)
         a2.barh(y - 0.2, [s.get("median_underflow_pct", 0) for s in summaries], 0.4, label="median")
         a2.barh(y + 0.2, [s.get("worst_underflow_pct", 0) for s in summaries], 0.4, label="worst")
         a2.set_title("underflow share (%)", fontsize=9)

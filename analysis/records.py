@@ -49,7 +49,8 @@ class TensorRecord(_JsonRecord):
     ``sqnr_case`` (``exact``, ``unbounded`` or ``undefined``); ``scale`` / ``scale_max``: the
     smallest / largest group scale (one for ``tensor`` and ``none``); ``status``: ``critical``,
     ``warning`` or ``ok``; ``dequantized_with``: the companion scale an FP8 tensor was dequantized
-    with (``fp8_scales="apply"``), else None."""
+    with (``fp8_scales="apply"``), else None; ``what_if``: a full tensor a trace saved of a cast
+    its run did not perform."""
 
     name: str
     file: str
@@ -76,21 +77,27 @@ class TensorRecord(_JsonRecord):
     subnormal_pct: float
     status: str
     dequantized_with: str | None
+    what_if: bool
 
 
 @dataclass(frozen=True, slots=True)
 class TraceTensorRecord(_JsonRecord):
     """One tensor of a trace, its recorded statistics over all steps (records of one step
-    summed). ``scaling`` is ``recorded``; ``scale`` the last recorded one; ``amax`` the largest
-    one, NaN when a step's amax is NaN (JSON null, with ``amax_nan_steps`` > 0), None when every
-    one is inf; ``overflow_steps`` the steps with an overflow;
-    ``worst_underflow_pct`` / ``_step``: the step with the largest underflow share."""
+    summed). ``scaling`` is ``recorded``; ``what_if``: the run did not perform this cast (the
+    trace records what it would have done); ``scale`` the last recorded one; ``amax`` the
+    largest one, NaN when a step's amax is NaN (JSON null, with ``amax_nan_steps`` > 0), None
+    when every one is inf; ``overflow_steps`` the steps with an overflow. After the warm-up
+    (``warmup_steps`` steps, their worst underflow share ``warmup_worst_underflow_pct``, None
+    without warm-up): ``worst_underflow_pct`` / ``_step`` the step with the largest underflow
+    share, ``critical_steps`` / ``warning_steps`` the steps whose cast has that status, and
+    ``status`` (:mod:`fp8sim.analysis.status`)."""
 
     name: str
     file: str
     role: str
     format: str
     scaling: str
+    what_if: bool
     shape: tuple[int, ...]
     steps: int
     numel: int
@@ -105,7 +112,11 @@ class TraceTensorRecord(_JsonRecord):
     underflow_pct: float
     overflow_steps: int
     worst_underflow_pct: float
-    worst_underflow_step: int
+    worst_underflow_step: int | None
+    warmup_steps: int
+    warmup_worst_underflow_pct: float | None
+    critical_steps: int
+    warning_steps: int
     status: str
 
 
@@ -224,9 +235,11 @@ class LayerVerdict(_JsonRecord):
     trace records for the tensor, over the steps after its warm-up.
 
     ``verdict``: ``ok``, ``needs margin``, ``needs finer scaling`` or ``keep in higher
-    precision``; ``text`` the line shown (``needs margin 2``, ``needs finer scaling (best:
+    precision``; ``what_if``: a cast the run did not perform (judged only when asked for);
+    ``text`` the line shown (``needs margin 2``, ``needs finer scaling (best:
     block:1x128)``, ``... (estimate)``). ``margin``: binades of margin that remove every
-    overflow the recorded scales had after warm-up (None: none overflowed). ``basis``:
+    overflow of the steps after warm-up whose overflow share makes them a warning or worse
+    (None: no such step). ``basis``:
     ``histogram`` (exact counts from the trace's histograms), ``saved tensors`` (finer scalings
     cast exactly from saved full tensors) or ``estimate`` (the histogram criterion).
     ``jit_underflow_pct`` / ``_step``: the worst step's underflow share under ideal just-in-time
@@ -239,6 +252,7 @@ class LayerVerdict(_JsonRecord):
     layer: str
     role: str
     tensor: str
+    what_if: bool
     format: str
     verdict: str
     text: str

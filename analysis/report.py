@@ -1,17 +1,13 @@
-"""Reports: ok / warning / critical classes, worst-first terminal tables, ``--fail-on`` rules.
-
-Classes (defaults, per tensor x format x scaling record): ``critical`` if any value overflows or
-the underflow share reaches 2%; ``warning`` from 0.5% underflow, or when NaN/inf are present or
-MX blocks were lost to a NaN scale, or values were clamped by the MX floor rule; ``ok`` otherwise.
-Under ``mx`` (the OCP MX spec's scale rule, ``2**(floor(log2 amax) - emax)``) a block's largest
-values can scale above the format's max: the spec clamps them to it by design, so they are
-reported as *clamped* (a warning), not as overflow (``mx:rceil`` rounds the scale up instead). Shares: overflow of the finite values,
-underflow of the nonzero finite values (the ``*_pct`` record fields).
+"""Reports: worst-first terminal tables and ``--fail-on`` rules (the statuses themselves:
+:mod:`fp8sim.analysis.status`).
 
 ``--fail-on`` rules: comma-separated ``METRIC OP VALUE[%]`` with OP in ``> >= < <=``; METRIC one
 of :data:`FAIL_METRICS` (``analyze``) or :data:`REPLAY_FAIL_METRICS` (``replay``). With ``%`` the
 share in percent is compared (``underflow>1%``), without it the count or value (``overflow>0``,
-``sqnr_db<20``).
+``sqnr_db<20``). For ``analyze`` a rule may also be a status word, ``critical`` or ``warning``:
+crossed by every record of that status or worse (the statuses of the table). Under ``mx`` (the
+OCP MX floor rule) the values above the format's max are *clamped* by design: they count under
+the metric ``clamped``, never under ``overflow``.
 """
 
 from __future__ import annotations
@@ -23,12 +19,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from fp8sim.analysis.status import STATUS_ORDER, clamped_by_mx_floor
 from fp8sim.nan_aware import worst_first
 
 __all__ = [
-    "Thresholds",
-    "classify",
-    "clamped_by_mx_floor",
     "sort_worst_first",
     "sqnr_value",
     "format_table",
@@ -40,13 +34,14 @@ __all__ = [
     "REPLAY_FAIL_METRICS",
     "format_replay_table",
     "format_trace_table",
-    "STATUS_ORDER",
+    "STATUS_RULES",
 ]
 
-STATUS_ORDER = {"critical": 0, "warning": 1, "ok": 2}
-#: metric -> (count/value field, share field or None)
+#: metric -> (count/value field, share field or None); ``overflow`` leaves out the values the MX
+#: floor rule clamps, ``clamped`` counts those alone (both from the record's overflow fields)
 FAIL_METRICS = {
     "overflow": ("overflow", "overflow_pct"),
+    "clamped": ("overflow", "overflow_pct"),
     "underflow": ("underflow", "underflow_pct"),
     "subnormal": ("subnormal", "subnormal_pct"),
     "nan": ("nan", None),
@@ -65,41 +60,10 @@ REPLAY_FAIL_METRICS = {
     "underflow": ("underflow", "underflow_pct"),
     "events": ("events", None),
 }
+#: ``--fail-on`` words of ``analyze``: crossed by a record of that status or worse
+STATUS_RULES = ("critical", "warning")
 _OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 _RULE_RE = re.compile(r"^\s*([a-z_0-9]+)\s*(>=|<=|>|<)\s*([-+0-9.eE]+|[-+]?inf)\s*(%?)\s*$")
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Class boundaries in percent (underflow share) and counts (overflow)."""
-
-    underflow_warning: float = 0.5
-    underflow_critical: float = 2.0
-    overflow_critical: int = 1  # this many overflowing values make a record critical
-
-    def __post_init__(self) -> None:
-        w, c = self.underflow_warning, self.underflow_critical
-        if not (math.isfinite(w) and math.isfinite(c) and 0 <= w <= c <= 100):
-            raise ValueError(f"--underflow-warning {w} / --underflow-critical {c}: need "
-                             "0 <= warning <= critical <= 100 (percent)")  # fmt: skip
-        if self.overflow_critical < 1:
-            raise ValueError(f"overflow_critical must be >= 1, got {self.overflow_critical}")
-
-
-def clamped_by_mx_floor(rec: dict[str, Any]) -> bool:
-    """Whether a record's overflow is the MX floor rule's expected clamping (scaling ``mx``)."""
-    return rec.get("scaling") in ("mx", "mx:floor") and bool(rec["overflow"])
-
-
-def classify(rec: dict[str, Any], th: Thresholds = Thresholds()) -> str:
-    """``ok`` / ``warning`` / ``critical`` of one record (see the module docstring)."""
-    clamped = clamped_by_mx_floor(rec)
-    if (rec["overflow"] >= th.overflow_critical and not clamped) or rec["underflow_pct"] >= th.underflow_critical:
-        return "critical"
-    if (rec["underflow_pct"] >= th.underflow_warning or rec["nan"] or rec["inf"] or rec.get("lost")
-            or clamped):  # fmt: skip
-        return "warning"
-    return "ok"
 
 
 def sqnr_value(rec: dict[str, Any], metric: str = "sqnr_db") -> float | None:
@@ -224,7 +188,7 @@ def format_table(records: list[dict[str, Any]], *, limit: int | None = None) -> 
         rows.append(
             [
                 r["status"],
-                tensor(r),
+                tensor(r) + (" (what-if)" if r.get("what_if") else ""),
                 r["format"],
                 r["scaling"],
                 str(r["numel"]),
@@ -258,14 +222,20 @@ class FailRule:
     percent: bool
 
     def __str__(self) -> str:
+        if self.metric in STATUS_RULES:
+            return self.metric
         return f"{self.metric}{self.op}{self.value:g}{'%' if self.percent else ''}"
 
     def crossed(self, rec: dict[str, Any]) -> bool:
+        if self.metric in STATUS_RULES:  # a status word: that status or worse
+            return STATUS_ORDER[rec["status"]] <= STATUS_ORDER[self.metric]
         count_field, share_field = FAIL_METRICS.get(self.metric) or REPLAY_FAIL_METRICS[self.metric]
         key = share_field if self.percent else count_field
         if key not in rec:  # e.g. trace rows have no sqnr_db: the rule does not apply
             return False
         v = rec[key]
+        if self.metric in ("overflow", "clamped") and clamped_by_mx_floor(rec) != (self.metric == "clamped"):
+            v = 0  # MX floor clamping counts as clamped only; other overflow never does
         if v is None and self.metric in ("sqnr_db", "rel_mse"):
             v = sqnr_value(rec, self.metric)  # exact or unbounded: +-inf
         elif v is None and self.metric == "amax":  # never NaN: a null amax is inf (a float64
@@ -313,14 +283,20 @@ def _bound(v: float, percent: Any) -> str:
 
 def parse_fail_on(spec: str, metrics: dict[str, tuple[str, str | None]] = FAIL_METRICS) -> list[FailRule]:
     """Parse ``"overflow>0,underflow>1%"`` with METRIC one of ``metrics`` (:data:`FAIL_METRICS`,
-    or :data:`REPLAY_FAIL_METRICS`); ValueError naming the bad rule and the valid forms."""
+    or :data:`REPLAY_FAIL_METRICS`), or, with :data:`FAIL_METRICS`, a status word of
+    :data:`STATUS_RULES`; ValueError naming the bad rule and the valid forms."""
     rules = []
+    words = STATUS_RULES if metrics is FAIL_METRICS else ()
     for part in filter(None, (p.strip() for p in spec.split(","))):
+        if part.lower() in words:
+            rules.append(FailRule(part.lower(), "", 0.0, False))
+            continue
         m = _RULE_RE.match(part.lower())
         if not m or m.group(1) not in metrics:
+            also = f", or a status: {' or '.join(words)}" if words else ""
             raise ValueError(
                 f"--fail-on rule {part!r}: expected METRIC OP VALUE[%] with METRIC in "
-                f"{', '.join(metrics)} and OP in >, >=, <, <= (e.g. overflow>0,underflow>1%)"
+                f"{', '.join(metrics)} and OP in >, >=, <, <= (e.g. overflow>0,underflow>1%){also}"
             )
         metric, op, value, pct = m.groups()
         if pct and metrics[metric][1] is None:
@@ -373,13 +349,25 @@ def format_replay_table(summaries: list[dict[str, Any]]) -> str:
 
 
 def format_trace_table(rows: list[dict[str, Any]]) -> str:
-    """A trace's recorded statistics, one row per tensor, in the given order (sort first)."""
-    body = [
-        [r["status"], r["name"], r["role"], r["format"], str(r["steps"]),
-         f"{r['amax']:.3g}" if r["amax"] is not None else "-",
-         f"{r['overflow']} in {r['overflow_steps']} steps" if r["overflow"] else "0",
-         f"{r['underflow_pct']:.3g}%", f"{r['worst_underflow_pct']:.3g}% @ {r['worst_underflow_step']}"]
-        for r in rows
-    ]  # fmt: skip
+    """A trace's recorded statistics, one row per tensor, in the given order (sort first).
+    ``overflow`` and ``underflow`` cover every step; ``worst underflow`` and the steps per status
+    (``crit / warn``) the steps after the warm-up, which has its own column."""
+    body = []
+    for r in rows:
+        n_warm = r.get("warmup_steps", 0)
+        warm = "-"
+        if n_warm:
+            wu = r.get("warmup_worst_underflow_pct")
+            warm = f"{n_warm} step{'s' if n_warm > 1 else ''}" + (f": underflow {wu:.3g}%" if wu is not None else "")
+        worst = (f"{r['worst_underflow_pct']:.3g}% @ {r['worst_underflow_step']}"
+                 if r.get("worst_underflow_step") is not None else "-")  # fmt: skip
+        body.append([
+            r["status"], r["name"], r["role"], r["format"], str(r["steps"]),
+            f"{r['amax']:.3g}" if r["amax"] is not None else "-",
+            f"{r['overflow']} in {r['overflow_steps']} steps" if r["overflow"] else "0",
+            f"{r['underflow_pct']:.3g}%", worst,
+            f"{r.get('critical_steps', 0)} / {r.get('warning_steps', 0)}", warm,
+        ])  # fmt: skip
     return text_table(["status", "tensor", "role", "format", "steps", "max amax", "overflow",
-                       "underflow", "worst underflow"], body, right={4, 5, 6, 7, 8})  # fmt: skip
+                       "underflow", "worst underflow", "crit / warn steps", "warm-up"], body,
+                      right={4, 5, 6, 7, 8, 9})  # fmt: skip

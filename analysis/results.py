@@ -1,4 +1,5 @@
-"""What :func:`fp8sim.analysis.analyze` and :func:`fp8sim.analysis.replay` return.
+"""What :func:`fp8sim.analysis.analyze` returns (:func:`fp8sim.analysis.replay`'s result:
+:mod:`fp8sim.analysis.replay_result`).
 
 Both results are immutable and hold typed records (:mod:`fp8sim.analysis.records`); each gives
 the command line's table (:meth:`table`), its JSON (:meth:`to_json`, the format docs/cli.md
@@ -8,39 +9,19 @@ is installed) and PNG plots (:meth:`plot`).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, fields
-from functools import cached_property
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from fp8sim.analysis.json_output import check_json_path, json_text, write_json
-from fp8sim.analysis.records import (
-    BadInput,
-    Crossing,
-    LayerVerdict,
-    Note,
-    PolicySummary,
-    ReplayCrossing,
-    ReplayRecord,
-    TensorRecord,
-    TraceTensorRecord,
-)
-from fp8sim.analysis.report import (
-    FailRule,
-    escape_cell,
-    format_replay_table,
-    format_table,
-    format_trace_table,
-    sort_worst_first,
-    text_table,
-)
+from fp8sim.analysis.records import BadInput, Crossing, LayerVerdict, Note, TensorRecord, TraceTensorRecord
+from fp8sim.analysis.report import FailRule, escape_cell, format_table, format_trace_table, sort_worst_first
 from fp8sim.analysis.trace_summary import TraceSummary, sort_worst_first_trace
 from fp8sim.errors import ArgumentError, expect_int
 
-__all__ = ["AnalysisResult", "ReplayResult", "Log2Histogram"]
+__all__ = ["AnalysisResult", "Log2Histogram"]
 
 #: rows a result's repr shows
 _REPR_ROWS = 5
@@ -59,7 +40,8 @@ class Log2Histogram:
     windows: tuple[tuple[str, float, float], ...] = ()
 
 
-def _pandas(what: str):
+def pandas_module(what: str):
+    """pandas, or ImportError saying ``what.to_pandas()`` needs it."""
     try:
         import pandas
     except ImportError:
@@ -74,7 +56,7 @@ def _check_top(top: int | None) -> int | None:
     return top or None
 
 
-def _plot_dir(directory: Any):
+def plot_dir(directory: Any):
     """A :class:`~fp8sim.analysis.plots.PlotDir` for ``directory`` (a path, or one already made)."""
     from fp8sim.analysis.plots import PlotDir
 
@@ -114,29 +96,64 @@ class AnalysisResult:
     verdicts: tuple[LayerVerdict, ...] = ()
     #: histograms and traces in the order analyzed (plots are numbered in that order)
     plot_items: tuple = field(default=(), compare=False)
+    #: whether the casts the run did not perform (``what_if`` rows) count in ``counts``, the
+    #: verdict and the ``fail_on`` rules
+    what_if: bool = False
 
     @property
     def histograms(self) -> tuple[Log2Histogram, ...]:
         """The log2|x| histogram of each tensor analyzed, in the order analyzed."""
         return tuple(p for p in self.plot_items if isinstance(p, Log2Histogram))
 
+    def _rows(self, what_if: bool | None = None) -> list:
+        """Records and trace tensors; without ``what_if`` (default: the result's), not the
+        casts the run did not perform."""
+        keep = self.what_if if what_if is None else what_if
+        rows = [*self.records, *(t for tr in self.traces for t in tr.tensors)]
+        return [r for r in rows if keep or not r.what_if]
+
     @property
     def counts(self) -> dict[str, int]:
-        """Records and trace tensors per status: ``{"critical": .., "warning": .., "ok": ..}``."""
-        rows = [*self.records, *(t for tr in self.traces for t in tr.tensors)]
+        """Records and trace tensors per status: ``{"critical": .., "warning": .., "ok": ..}``;
+        the casts the run did not perform (``what_if`` rows) only when the result counts them."""
+        rows = self._rows()
         return {k: sum(r.status == k for r in rows) for k in ("critical", "warning", "ok")}
+
+    @property
+    def what_if_rows(self) -> int:
+        """How many records and trace tensors are casts the run did not perform."""
+        return len(self._rows(True)) - len(self._rows(False))
+
+    def summary_line(self) -> str:
+        """``3 critical, 1 warning, 20 ok`` and, where what-if rows are not counted, how many."""
+        c = self.counts
+        line = f"{c['critical']} critical, {c['warning']} warning, {c['ok']} ok"
+        n = self.what_if_rows
+        if n and not self.what_if:
+            line += f" ({n} what-if row{'s' if n > 1 else ''}, casts the run did not perform, not counted)"
+        elif n:
+            line += f" ({n} what-if row{'s' if n > 1 else ''} counted)"
+        return line
 
     def table(self, top: int | None = 50) -> str:
         """The command line's table: the records, worst first (``top`` rows; 0 or None: all),
-        then each trace's recorded statistics per tensor, and last each trace's verdict per
-        layer and role (every one)."""
+        then each trace's recorded statistics per tensor (the casts its run performed, then the
+        what-if ones apart), and last each trace's verdict per layer and role (every one)."""
         top = _check_top(top)
         parts = []
         if self.records:
             parts.append(format_table([r.to_dict() for r in self.records], limit=top))
         for t in self.traces:
+            rows = sort_worst_first_trace(list(t.tensors))
+            real = [r.to_dict() for r in rows if not r.what_if]
+            hypo = [r.to_dict() for r in rows if r.what_if]
             parts.append(f"\ntrace {escape_cell(t.path)}: recorded statistics over all steps")
-            parts.append(format_trace_table([r.to_dict() for r in sort_worst_first_trace(list(t.tensors))]))
+            parts.append(format_trace_table(real) if real else "(no cast the run performed was recorded)")
+            if hypo:
+                counted = "counted in the summary" if self.what_if else "not counted in the summary (--what-if counts them)"
+                parts.append(f"\ntrace {escape_cell(t.path)}: what-if casts -- recorded, but not performed by the "
+                             f"run (e.g. weight gradients its recipe keeps in high precision); {counted}")
+                parts.append(format_trace_table(hypo))
         if not self.records and not self.traces:
             parts.append("no float tensors analyzed")
         from fp8sim.analysis.verdict import format_verdict_table
@@ -147,20 +164,21 @@ class AnalysisResult:
                 parts.append(f"\ntrace {escape_cell(t.path)}: verdict per layer and role (judged in "
                              "each tensor's recorded format, after its warm-up)")  # fmt: skip
                 parts.append(format_verdict_table(mine))
-        return "\n".join(parts)
+        return "\n".join(parts).lstrip("\n")
 
     def worst(self, n: int = 10) -> list[TensorRecord | TraceTensorRecord]:
-        """The ``n`` worst records, trace tensors included: by status, then overflow share,
-        underflow share (descending), SQNR (ascending; undefined last), name."""
+        """The ``n`` worst records, trace tensors included (what-if rows only when the result
+        counts them): by status, then overflow share, underflow share (descending), SQNR
+        (ascending; undefined last), name."""
         expect_int(n, "n", lowest=0)
-        rows = [*self.records, *(t for tr in self.traces for t in tr.tensors)]
+        rows = self._rows()
         dicts = [r.to_dict() for r in rows]
         by_id = {id(d): r for d, r in zip(dicts, rows)}
         return [by_id[id(d)] for d in sort_worst_first(dicts)[:n]]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object (docs/cli.md): variants, records, traces, notes, errors, summary,
-        fail_on, verdicts."""
+        what_if, fail_on, verdicts."""
         return {
             "variants": [{"format": v.fmt.name, "scaling": v.scaling, "margin": v.margin,
                           "pow2": v.pow2} for v in self.variants],  # fmt: skip
@@ -169,6 +187,7 @@ class AnalysisResult:
             "notes": [x.to_dict() for x in self.notes],
             "errors": [e.to_dict() for e in self.errors],
             "summary": self.counts,
+            "what_if": {"rows": self.what_if_rows, "counted": self.what_if},
             "fail_on": [c.to_dict() for c in self.crossings],
             "verdicts": [v.to_dict() for v in self.verdicts],
         }
@@ -186,7 +205,7 @@ class AnalysisResult:
     def to_pandas(self, which: str = "records"):
         """A pandas DataFrame, one row per record (``which="records"``) or per trace tensor
         (``"traces"``), the JSON fields as columns."""
-        pd = _pandas("AnalysisResult")
+        pd = pandas_module("AnalysisResult")
         if which == "records":
             rows, cls = self.records, TensorRecord
         elif which == "traces":
@@ -201,7 +220,7 @@ class AnalysisResult:
         underflow share per tensor and step. Returns the paths written."""
         from fp8sim.analysis.plots import plot_heatmap, plot_log2_histogram, safe_name
 
-        pdir = _plot_dir(directory)
+        pdir = plot_dir(directory)
         written = []
         index = 0
         for item in self.plot_items:
@@ -213,7 +232,7 @@ class AnalysisResult:
                     steps, mat = item.grid(key)
                     written.append(plot_heatmap(pdir.path(f"{base}_trace_{key}.png"),
                                                 f"{item.path}: recorded {key} share (%)",
-                                                item.names, steps, mat))  # fmt: skip
+                                                item.row_labels(), steps, mat))  # fmt: skip
             else:
                 written.append(plot_log2_histogram(
                     pdir.path(safe_name(item.name, index) + ".png"),
@@ -224,210 +243,31 @@ class AnalysisResult:
         return written
 
     def __repr__(self) -> str:
-        c = self.counts
         tensors = len({(r.file, r.name) for r in self.records})
-        head = (f"AnalysisResult: {len(self.records)} records, {tensors} tensor(s) x "
-                f"{len(self.variants)} format/scaling variant(s): {c['critical']} critical, "
-                f"{c['warning']} warning, {c['ok']} ok")  # fmt: skip
-        lines = [head]
+        head = (f"AnalysisResult: {len(self.records)} records ({tensors} tensor(s) x "
+                f"{len(self.variants)} format/scaling variant(s))")  # fmt: skip
         if self.traces:
-            lines.append(f"traces: {len(self.traces)} ({sum(len(t.tensors) for t in self.traces)} "
-                         "tensors' recorded statistics)")  # fmt: skip
+            head += (f", {len(self.traces)} trace(s) ({sum(len(t.tensors) for t in self.traces)} "
+                     "tensors' recorded statistics)")  # fmt: skip
+        lines = [head + ": " + self.summary_line()]
         if self.notes or self.errors or self.rules:
             lines.append(f"notes: {len(self.notes)}, errors: {len(self.errors)}"
                          + (f", fail_on crossings: {len(self.crossings)}" if self.rules else ""))
         if self.records:
+            lines.append("worst records:")
             lines.append(format_table([r.to_dict() for r in self.records[:_REPR_ROWS]]))
             if len(self.records) > _REPR_ROWS:
                 lines.append(f"... {len(self.records) - _REPR_ROWS} more: .table(top=0), "
                              ".worst(n), .to_pandas()")  # fmt: skip
+        trace_rows = [r for tr in self.traces for r in tr.tensors if self.what_if or not r.what_if]
+        if trace_rows:
+            lines.append("worst trace tensors (recorded statistics):")
+            lines.append(format_trace_table([r.to_dict() for r in sort_worst_first_trace(trace_rows)[:_REPR_ROWS]]))
+            if len(trace_rows) > _REPR_ROWS:
+                lines.append(f"... {len(trace_rows) - _REPR_ROWS} more: .table(), .to_pandas('traces')")
+        if self.verdicts:
+            by: dict[str, int] = {}
+            for v in self.verdicts:
+                by[v.verdict] = by.get(v.verdict, 0) + 1
+            lines.append("verdicts: " + ", ".join(f"{n} {k}" for k, n in by.items()) + " (.verdicts, .table())")
         return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------
-# replay
-# ------------------------------------------------------------------------------------------
-def _shares(lo: Any, hi: Any, denominator: Any) -> tuple[float | None, float | None]:
-    """``[lo, hi] / denominator``; ``None`` where the denominator is 0."""
-    d = int(denominator)
-    return (None, None) if d == 0 else (int(lo) / d, int(hi) / d)
-
-
-def replay_row(rp: Any, i: int) -> dict[str, Any]:
-    """Record ``i`` of a :class:`~fp8sim.analysis.policy_replay.PolicyReplay` as its JSON
-    object (see :class:`~fp8sim.analysis.records.ReplayRecord`)."""
-    c = rp.cols
-    return {"step": int(c["step"][i]), "tensor": rp.names[int(c["tensor"][i])],
-            "scale": float(c["scale"][i]), "exact": bool(c["exact"][i]),
-            "overflow": (int(c["overflow_lo"][i]), int(c["overflow_hi"][i])),
-            "underflow": (int(c["underflow_lo"][i]), int(c["underflow_hi"][i])),
-            "finite": int(c["finite"][i]), "nonzero": int(c["nonzero"][i]),
-            "overflow_share": _shares(c["overflow_lo"][i], c["overflow_hi"][i], c["finite"][i]),
-            "underflow_share": _shares(c["underflow_lo"][i], c["underflow_hi"][i], c["nonzero"][i]),
-            "event": bool(c["event"][i])}  # fmt: skip
-
-
-@dataclass(frozen=True, repr=False)
-class ReplayResult:
-    """Scaling policies replayed over a trace (``recorded``: the run's own scales).
-
-    ``policies``: a :class:`~fp8sim.analysis.records.PolicySummary` per policy; ``records``
-    (built on first use): a :class:`~fp8sim.analysis.records.ReplayRecord` per policy x trace
-    record; ``crossings``: the ``rules`` (``fail_on``) crossed, earliest step first;
-    ``replays``: the per-record columns (:class:`~fp8sim.analysis.policy_replay.PolicyReplay`,
-    with :meth:`grid` for heatmaps); ``trace_records``: the trace's records (each replayed once
-    per policy).
-    """
-
-    trace: str
-    rounding: str
-    policies: tuple[PolicySummary, ...]
-    rules: tuple[FailRule, ...]
-    crossings: tuple[ReplayCrossing, ...]
-    replays: tuple = field(compare=False)
-    trace_records: int = 0
-
-    @cached_property
-    def records(self) -> tuple[ReplayRecord, ...]:
-        return tuple(ReplayRecord(policy=rp.policy, **replay_row(rp, i))
-                     for rp in self.replays for i in range(rp.cols["step"].size))  # fmt: skip
-
-    def cells(self, by: str = "tensor") -> list[dict[str, Any]]:
-        """Per tensor (``by="tensor"``) or per layer (``"layer"``: the tensor name without its
-        role suffix, :func:`fp8sim.analysis.verdict.layer_of`) x policy, over that policy's
-        records of it: ``row``, ``policy``, ``records``, ``events`` (records whose amax
-        overflowed), ``overflow`` (``[lo, hi]``: overflowing values summed, equal when exact),
-        ``worst_underflow_pct`` (the largest underflow share of a record, percent, bracket
-        midpoint; None without records). Rows in the trace's tensor order, policies in order."""
-        from fp8sim.analysis.verdict import layer_of
-
-        if by not in ("tensor", "layer"):
-            raise ArgumentError.about("by", f" {by!r}: policy, tensor or layer")
-        key = (lambda n: n) if by == "tensor" else layer_of
-        rows: list[str] = []
-        present = sorted({int(t) for rp in self.replays for t in rp.cols["tensor"]})
-        names = self.replays[0].names if self.replays else []
-        for tid in present:
-            if key(names[tid]) not in rows:
-                rows.append(key(names[tid]))
-        out = []
-        for row in rows:
-            for rp in self.replays:
-                c = rp.cols
-                sel = np.array([key(rp.names[int(t)]) == row for t in c["tensor"]], bool)
-                n = int(sel.sum())
-                us = rp.underflow_share[sel]
-                out.append({"row": row, "policy": rp.policy, "records": n,
-                            "events": int(c["event"][sel].sum()),
-                            "overflow": [int(c["overflow_lo"][sel].sum()), int(c["overflow_hi"][sel].sum())],
-                            "worst_underflow_pct": 100.0 * float(us.max()) if n else None})  # fmt: skip
-        return out
-
-    def table(self, by: str = "policy") -> str:
-        """The command line's table: one row per policy (``by="policy"``), or one row per tensor
-        (``"tensor"``) or layer (``"layer"``) and a column per policy, each cell ``events /
-        overflowing values / worst underflow share`` (:meth:`cells`; ``-``: no record)."""
-        if by == "policy":
-            return format_replay_table([p.to_dict() for p in self.policies])
-        cells = self.cells(by)
-        pols = [rp.policy for rp in self.replays]
-        grid: dict[str, dict[str, str]] = {}
-        for c in cells:
-            lo, hi = c["overflow"]
-            text = "-" if not c["records"] else (
-                f"{c['events']} / {lo if lo == hi else f'{lo}..{hi}'} / {c['worst_underflow_pct']:.3g}%")
-            grid.setdefault(c["row"], {})[c["policy"]] = text
-        rows = [[r, *(grid[r][p] for p in pols)] for r in grid]
-        legend = "cells: overflow events / overflowing values / worst underflow share of a record"
-        return text_table([by, *pols], rows, right=set(range(1, len(pols) + 1))) + "\n" + legend
-
-    def worst(self, n: int = 10) -> list[ReplayRecord]:
-        """The ``n`` worst records over all policies: by overflow share, then underflow share
-        (descending; bracket midpoints), then policy and record order."""
-        expect_int(n, "n", lowest=0)
-
-        def share(pair: tuple) -> float:
-            return -math.inf if pair[0] is None else (pair[0] + pair[1]) / 2
-
-        order = sorted(range(len(self.records)), key=lambda i: (
-            -share(self.records[i].overflow_share), -share(self.records[i].underflow_share), i))
-        return [self.records[i] for i in order[:n]]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON object (docs/cli.md): trace, rounding, policies, records (per policy),
-        fail_on."""
-        per_policy = {rp.policy: [replay_row(rp, i) for i in range(rp.cols["step"].size)]
-                      for rp in self.replays}  # fmt: skip
-        return {"trace": self.trace, "rounding": self.rounding,
-                "policies": [p.to_dict() for p in self.policies], "records": per_policy,
-                "fail_on": [c.to_dict() for c in self.crossings]}  # fmt: skip
-
-    def to_json(self, path: str | os.PathLike | None = None) -> str | None:
-        """The JSON text, or, with ``path``, that text written there whole or not at all (never
-        inside an fp8sim trace)."""
-        if path is None:
-            return json_text(self.to_dict())
-        check_json_path(path)
-        write_json(path, self.to_dict())
-        return None
-
-    def to_pandas(self, which: str = "records"):
-        """A pandas DataFrame: one row per policy x record (``which="records"``; brackets as
-        ``overflow_lo``/``_hi`` ... columns) or per policy (``"policies"``)."""
-        pd = _pandas("ReplayResult")
-        if which == "policies":
-            return pd.DataFrame([p.to_dict() for p in self.policies],
-                                columns=[f.name for f in fields(PolicySummary)])  # fmt: skip
-        if which != "records":
-            raise ArgumentError.about("which", f" {which!r}: records or policies")
-        cols: dict[str, list] = {}
-        for r in self.records:
-            for f in fields(ReplayRecord):
-                v = getattr(r, f.name)
-                if isinstance(v, tuple):
-                    cols.setdefault(f"{f.name}_lo", []).append(v[0])
-                    cols.setdefault(f"{f.name}_hi", []).append(v[1])
-                else:
-                    cols.setdefault(f.name, []).append(v)
-        return pd.DataFrame(cols)
-
-    def plot(self, directory: Any) -> list[str]:
-        """PNGs into ``directory`` (a path, made if missing, or a ``plots.PlotDir``): events and
-        underflow per policy (``policies.png``), and per policy its overflow and underflow share
-        per tensor and step. Returns the paths written."""
-        from fp8sim.analysis.plots import plot_heatmap, plot_policy_summary, safe_name
-
-        pdir = _plot_dir(directory)
-        written = [plot_policy_summary(pdir.path("policies.png"), [p.to_dict() for p in self.policies])]
-        for i, rp in enumerate(self.replays):
-            if rp.cols["step"].size == 0:
-                continue
-            base = safe_name(rp.policy, i)
-            for what in ("underflow_share", "overflow_share"):
-                steps, mat = rp.grid(what)
-                written.append(plot_heatmap(pdir.path(f"{base}_{what}.png"),
-                                            f"{rp.policy}: {what.replace('_', ' ')} (%)", rp.names,
-                                            steps, 100.0 * mat))  # fmt: skip
-        pdir.finish()
-        return written
-
-    def __repr__(self) -> str:
-        lines = [f"ReplayResult: {len(self.policies)} policies over {self.trace_records} records of "
-                 f"{self.trace} (rounding {self.rounding})"]  # fmt: skip
-        if self.rules:
-            lines.append(f"fail_on crossings: {len(self.crossings)}")
-        lines.append(self.table())
-        return "\n".join(lines)
-
-
-def replay_result(trace: str, rounding: str, replays: Sequence, rules: Sequence[FailRule],
-                  crossings: Sequence[tuple], trace_records: int) -> ReplayResult:  # fmt: skip
-    """A :class:`ReplayResult` of :func:`~fp8sim.analysis.policy_replay.replay_policies`'
-    columns and the ``(rule, policy, tensor, step)`` crossings."""
-    return ReplayResult(
-        trace=trace, rounding=rounding,
-        policies=tuple(PolicySummary.from_dict(rp.summary()) for rp in replays),
-        rules=tuple(rules),
-        crossings=tuple(ReplayCrossing(str(rule), pol, name, step) for rule, pol, name, step in crossings),
-        replays=tuple(replays), trace_records=trace_records,
-    )  # fmt: skip

@@ -2,7 +2,11 @@
 beside the records of the tensors the trace saved.
 
 Several records of a tensor in one step (micro-batches) count as one step: their counts add up.
-Shares: overflow of the finite values, underflow of the nonzero finite values (percent).
+Shares: overflow of the finite values, underflow of the nonzero finite values (percent). Each
+tensor's status follows :mod:`fp8sim.analysis.status` over its steps after the warm-up
+(:func:`~fp8sim.analysis.status.warmup_length`), which is reported apart. Counts and shares
+(``overflow``, ``underflow``, ``*_pct``, ``overflow_steps``) cover every step, so that they add
+up to what ``fp8sim compare`` and ``replay``'s ``recorded`` row count.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from fp8sim.analysis.records import TraceTensorRecord
-from fp8sim.analysis.report import STATUS_ORDER, Thresholds, classify
+from fp8sim.analysis.status import STATUS_ORDER, Thresholds, classify_steps, step_statuses, warmup_length
 from fp8sim.nan_aware import max_or_nan
 
 __all__ = ["TraceSummary", "summarize_trace", "sort_worst_first_trace"]
@@ -36,6 +40,12 @@ class TraceSummary:
         """The JSON object: ``path``, ``config``, ``tensors``."""
         return {"path": self.path, "config": self.config,
                 "tensors": [t.to_dict() for t in self.tensors]}  # fmt: skip
+
+    def row_labels(self) -> list[str]:
+        """The heatmap row label of each of :attr:`names`: the name, with ``(what-if)`` for a
+        cast the run did not perform."""
+        hypo = {t.name for t in self.tensors if t.what_if}
+        return [n + (" (what-if)" if n in hypo else "") for n in self.names]
 
     def grid(self, what: str) -> tuple[np.ndarray, np.ndarray]:
         """(steps, matrix tensors x steps) of the ``overflow`` or ``underflow`` share in percent
@@ -74,22 +84,29 @@ def summarize_trace(path: str, reader: Any, th: Thresholds = Thresholds()) -> Tr
     with np.errstate(invalid="ignore", divide="ignore"):
         ov_share = np.where(finite > 0, 100.0 * over / np.maximum(finite, 1), 0.0)
         un_share = np.where(nonzero > 0, 100.0 * under / np.maximum(nonzero, 1), 0.0)
+    statuses = step_statuses(ov_share, un_share, nan + inf, th)
     rows = []
     for t in reader.tensors:
         sel = tens == t.index
         if not sel.any():
             continue
-        rsel = sc["tensor"] == t.index  # its records
+        rsel = sc["tensor"] == t.index  # its records, in step order
         fin, nz = int(finite[sel].sum()), int(nonzero[sel].sum())
         ov, un = int(over[sel].sum()), int(under[sel].sum())
-        us = un_share[sel]
-        w = int(np.argmax(us))
+        steps_t = step[sel]
+        n_warm = warmup_length(sc["scale"][rsel].tolist())
+        # warm-up steps: those whose every record is a warm-up record
+        warm = np.isin(steps_t, sc["step"][rsel][:n_warm]) & ~np.isin(steps_t, sc["step"][rsel][n_warm:])
+        post = ~warm
+        us, st = un_share[sel][post], statuses[sel][post]
+        w = int(np.argmax(us)) if us.size else 0
         row = {
             "name": t.name,
             "file": path,
             "role": t.role,
             "format": t.format,
             "scaling": "recorded",
+            "what_if": t.what_if,
             "shape": list(t.shape),
             "steps": int(sel.sum()),
             "numel": int(numel[sel].sum()),
@@ -104,10 +121,14 @@ def summarize_trace(path: str, reader: Any, th: Thresholds = Thresholds()) -> Tr
             "overflow_pct": 100.0 * ov / fin if fin else 0.0,
             "underflow_pct": 100.0 * un / nz if nz else 0.0,
             "overflow_steps": int((over[sel] > 0).sum()),
-            "worst_underflow_pct": float(us[w]),
-            "worst_underflow_step": int(step[sel][w]),
+            "worst_underflow_pct": float(us[w]) if us.size else 0.0,
+            "worst_underflow_step": int(steps_t[post][w]) if us.size else None,
+            "warmup_steps": int(warm.sum()),
+            "warmup_worst_underflow_pct": float(un_share[sel][warm].max()) if warm.any() else None,
+            "critical_steps": int((st == 0).sum()),
+            "warning_steps": int((st == 1).sum()),
+            "status": classify_steps(st, th),
         }
-        row["status"] = classify(row, th)
         rows.append(TraceTensorRecord.from_dict(row))
     return TraceSummary(path, reader.config, tuple(rows), tuple(t.name for t in reader.tensors),
                         (tens, step, ov_share, un_share))  # fmt: skip

@@ -17,15 +17,17 @@ Warm-up
 
 The rule, over the records after warm-up (records of one step summed into that step's shares):
 
-a. Margin: if the recorded scales overflowed (the trace's overflow counts), ``margin`` is the
-   smallest whole number N >= 1 of binades such that every one of those records, cast with its
-   recorded scale divided by 2**N, has no overflowing value (from its |x| histogram; exact for a
-   power-of-two scale, else the upper end of the bracket). The policy sees the same amaxes, so
-   its margin N divides each of its scales by exactly 2**N.
+a. Margin: if the recorded scales overflowed at steps whose overflow share reaches the status
+   rule's warning share (``overflow_warning``, :mod:`fp8sim.analysis.status`: a handful of
+   saturated values asks for nothing), ``margin`` is the smallest whole number N >= 1 of
+   binades such that every record of those steps, cast with its recorded scale divided by 2**N,
+   has no overflowing value (from its |x| histogram; exact for a power-of-two scale, else the
+   upper end of the bracket). The policy sees the same amaxes, so its margin N divides each of
+   its scales by exactly 2**N.
 b. Underflow under ideal just-in-time power-of-two per-tensor scaling: each record cast with
    ``2**floor(log2(fmt.max / amax))`` (it never overflows), its underflow counted from the
-   histogram. If the worst step's share is below the warning threshold (``underflow_warning``,
-   default 0.5%): ``needs margin N`` when (a) found overflow, else ``ok``.
+   histogram. If the worst step's share is below the status rule's warning threshold
+   (``underflow_warning``): ``needs margin N`` when (a) found overflow, else ``ok``.
 c. Otherwise per-tensor scaling loses too much. If the trace saved full tensors of this tensor
    at steps after warm-up, ``row``, ``block:1x128`` and ``mx`` are cast exactly from each of
    them (as ``fp8sim analyze --scaling`` does): the scaling whose worst saved step has the
@@ -46,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from fp8sim.analysis.records import LayerVerdict
+from fp8sim.analysis.status import Thresholds, warmup_length
 from fp8sim.formats import get_format
 
 __all__ = ["ROLE_SUFFIXES", "FINER_SCALINGS", "FINER_HEADROOM_BINADES", "layer_of", "layer_verdicts",
@@ -131,11 +134,15 @@ def _finer_from_saved(reader: Any, name: str, fmt, steps: list[int]) -> tuple[st
     return FINER_SCALINGS[i], worst[i]
 
 
-def layer_verdicts(path: str, reader: Any, underflow_warning: float = 0.5) -> list[LayerVerdict]:
+def layer_verdicts(path: str, reader: Any, th: Thresholds = Thresholds(), *,
+                   what_if: bool = False) -> list[LayerVerdict]:  # fmt: skip
     """The verdict per traced tensor (layer x role) of the trace ``reader`` (a
-    :class:`fp8sim.trace.TraceReader`) at ``path``; ``underflow_warning`` is the threshold in
-    percent. The rule: the module docstring. In catalogue order; tensors without records are
-    left out. Raises ValueError for a corrupt chunk or saved tensor."""
+    :class:`fp8sim.trace.TraceReader`) at ``path``, with the status thresholds ``th``
+    (:mod:`fp8sim.analysis.status`). The rule: the module docstring. In catalogue order; tensors
+    without records are left out, and so are the casts the run did not perform (``what_if``
+    tensors of the catalogue) unless ``what_if``. Raises ValueError for a corrupt chunk or saved
+    tensor."""
+    underflow_warning = th.underflow_warning
     rounding = reader.rounding
     fmts: dict[str, Any] = {}
     per: dict[int, list] = {}
@@ -147,14 +154,17 @@ def layer_verdicts(path: str, reader: Any, underflow_warning: float = 0.5) -> li
     out = []
     for t in reader.tensors:
         recs = per.get(t.index)
-        if not recs:
+        if not recs or (t.what_if and not what_if):
             continue
         fmt = fmts.get(recs[0].format) or fmts.setdefault(recs[0].format, get_format(recs[0].format))
-        # warm-up: the records before the first scale != 1, when the first is 1 and one differs
-        n_warm = 0
-        if recs[0].scale == 1.0:
-            n_warm = next((i for i, r in enumerate(recs) if r.scale != 1.0), 0)
+        n_warm = warmup_length([r.scale for r in recs])
         warm, post = recs[:n_warm], recs[n_warm:]
+        # the steps whose overflow share makes their cast a warning or worse: only their
+        # overflow asks for a margin (a handful of saturated values does not)
+        step_over = _Steps()
+        for r in post:
+            step_over.add(r.step, r.overflow, r.numel - r.nan - r.inf)
+        loud = {s for s, (o, fin) in step_over.by_step.items() if fin and 100.0 * o / fin >= th.overflow_warning}
         warm_steps = _Steps()
         for r in warm:
             warm_steps.add(r.step, r.underflow, r.hist.nonzero, r.overflow)
@@ -172,7 +182,8 @@ def layer_verdicts(path: str, reader: Any, underflow_warning: float = 0.5) -> li
             post_steps.add(r.step, r.underflow, r.hist.nonzero, jit_under, wide, r.overflow)
             if r.overflow > 0:
                 over_steps.add(r.step)
-                margin = max(margin, _margin_needed(r, rf, rounding))
+                if r.step in loud:
+                    margin = max(margin, _margin_needed(r, rf, rounding))
         overflow = sum(int(r.overflow) for r in post)
         rec_un, _ = post_steps.worst(0, 1)
         jit_un, jit_step = post_steps.worst(2, 1)
@@ -203,7 +214,7 @@ def layer_verdicts(path: str, reader: Any, underflow_warning: float = 0.5) -> li
                 text += f"; recorded scales need margin {margin}"
         warm_un = warm_steps.worst(0, 1)[0] if warm else None
         out.append(LayerVerdict(
-            trace=path, layer=layer_of(t.name), role=t.role, tensor=t.name, format=fmt.name,
+            trace=path, layer=layer_of(t.name), role=t.role, tensor=t.name, what_if=t.what_if, format=fmt.name,
             verdict=verdict, text=text, margin=margin or None, best_scaling=best, basis=basis,
             steps=len(post_steps.by_step), overflow=overflow, overflow_steps=len(over_steps),
             underflow_pct=rec_un, jit_underflow_pct=jit_un, jit_underflow_step=jit_step,
@@ -225,7 +236,8 @@ def format_verdict_table(verdicts: list[LayerVerdict]) -> str:
         if v.finer_underflow_pct is not None:
             why += f"; {v.best_scaling or 'finer (estimate)'} {v.finer_underflow_pct:.3g}%"
         if v.overflow:
-            why = f"recorded overflow {v.overflow} in {v.overflow_steps} steps; " + why
+            few = "" if v.margin else " (below the warning share: no margin needed)"
+            why = f"recorded overflow {v.overflow} in {v.overflow_steps} steps{few}; " + why
         if v.warmup_steps:
             span = (f"step {v.warmup_first_step}" if v.warmup_first_step == v.warmup_last_step
                     else f"steps {v.warmup_first_step}-{v.warmup_last_step}")  # fmt: skip
@@ -234,6 +246,6 @@ def format_verdict_table(verdicts: list[LayerVerdict]) -> str:
                 warm += f", overflow {v.warmup_overflow}"
         else:
             warm = "-"
-        rows.append([v.layer, v.role, v.format, v.text, str(v.steps), why, warm])
+        rows.append([v.layer, v.role + (" (what-if)" if v.what_if else ""), v.format, v.text, str(v.steps), why, warm])
     return text_table(["layer", "role", "format", "verdict", "steps", "why (after warm-up)", "warm-up"],
                       rows, right={4})  # fmt: skip

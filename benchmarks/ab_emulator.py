@@ -7,6 +7,8 @@ as ``fp8sim_old``; both cast the same float32 array (``randn * 100``) to E4M3 in
 decode the codes back, taking turns (the order flips every run), after checking they give the
 same bits. Prints the medians and new/old. Set ``FP8SIM_RESULT_CACHE_MB`` to give a commit that
 still had the result cache its cache (default here: off, ``0``).
+
+Needs only fp8sim's base install and git.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ Ratios in one process on the same float32 data, median of several runs (never ab
 
 Targets (issue 4): >= 5x the numpy implementation, >= 40% of the copy element rate.
 The numpy implementation is checked against ours first (same counts), so it is a fair opponent.
+
+Needs only fp8sim's base install.
 """
 
 from __future__ import annotations

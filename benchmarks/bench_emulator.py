@@ -18,6 +18,8 @@ Contenders: torch's CPU cast (``.to(torch.float8_e4m3fn)`` / ``.to(torch.float32
 ``astype``, and a numpy copy of the same array (the memory-bandwidth yardstick; "element rate"
 = elements per second, so 100% means as many elements per second as the copy).
 Absolute times depend on the machine and its load; only the ratios are meant to be read.
+
+Needs ml_dtypes beside fp8sim's install (a contender): pip install ml_dtypes.
 """
 
 from __future__ import annotations
@@ -92,7 +94,11 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = ap.parse_args()
 
-    import ml_dtypes
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise SystemExit("bench_emulator.py compares against ml_dtypes, which is not installed: "
+                         "pip install ml_dtypes") from None
     import torch
 
     import fp8sim

@@ -17,6 +17,8 @@ Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed betwee
 
 Without a CUDA GPU (or with TRITON_INTERPRET=1) there is nothing to measure: the script says so
 on stderr and exits 0.
+
+Needs a CUDA GPU and Triton: pip install -e '.[gpu]' (from a checkout).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ A configuration is ``recipe/backend`` or ``recipe/backend/accumulate``: the FP8 
 (``float32``, the training default, or ``float64``; see ``fp8sim.training.fp8_linear``).
 
     .venv/bin/python benchmarks/bench_training.py [--n-embd 256 --n-layer 4 --block-size 128 --batch-size 16]
+
+Needs only fp8sim's base install.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ Checks, each PASS/FAIL with a count of mismatches:
   ragged 2-D array of the random values with NaN, inf, zero and tiny tiles and tiles on the E2M1
   rounding boundaries; the RHT (both directions, two axes) against ``fp8sim.hadamard.rht``.
 Exit status: 0 all passed (or no GPU: says so), 1 a check failed.
+
+Needs Triton (pip install -e '.[gpu]' from a checkout) and a CUDA GPU, or TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU session in one script: correctness first, then speed. Logs go to $OUT (or ./out).
 #   bash benchmarks/run_gpu_checks.sh
+# Needs a CUDA GPU and Triton (pip install -e '.[gpu]' from a checkout).
 # gpu_check.py (kernels vs the emulator, 2**log2n values per format), the GPU pytest file with
 # the interpreter off, then bench_kernels.py. Each step has its own time limit; a failure in one
 # does not stop the next. ONLY=nvfp4 runs just the NVFP4 quantize / RHT part of each step

@@ -21,7 +21,11 @@ import numpy as np
 from fp8sim.emulator import decode, decode_table, encode
 from fp8sim.formats import FloatFormat, get_format
 
-__all__ = ["CheckResult", "run_conformance", "float32_sweep", "float16_all", "available_casts"]
+__all__ = ["CheckResult", "run_conformance", "float32_sweep", "float16_all", "available_casts",
+           "untested_libraries", "LIBRARIES"]
+
+#: the libraries whose casts conformance checks (Triton's natively on a GPU, else in its interpreter)
+LIBRARIES = ("torch", "ml_dtypes", "triton")
 
 
 #: documented semantic differences: (library, type) -> (why, predicate of the inputs it covers).
@@ -178,6 +182,25 @@ def available_casts() -> list[tuple[str, str, str, Callable[[], Callable]]]:
     except ImportError:
         pass
     return casts
+
+
+def untested_libraries() -> dict[str, str]:
+    """Library of :data:`LIBRARIES` -> why its casts cannot be checked here (not installed; for
+    Triton also: neither a CUDA GPU nor its interpreter, ``TRITON_INTERPRET=1``)."""
+    import importlib.util
+
+    out = {}
+    hints = {"torch": "pip install torch", "ml_dtypes": "pip install ml_dtypes",
+             "triton": "pip install -e '.[gpu]' from a checkout, or pip install triton"}  # fmt: skip
+    for lib in LIBRARIES:
+        if importlib.util.find_spec(lib) is None:
+            out[lib] = f"{lib} is not installed ({hints[lib]})"
+    if "triton" not in out and os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+
+        if not torch.cuda.is_available():
+            out["triton"] = "no CUDA GPU, and TRITON_INTERPRET=1 is not set for its interpreter"
+    return out
 
 
 def _agreement(theirs: np.ndarray, ours: np.ndarray, fmt: FloatFormat) -> np.ndarray:

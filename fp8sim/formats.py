@@ -27,7 +27,8 @@ from enum import Enum
 
 import numpy as np
 
-__all__ = ["FloatFormat", "get_format", "list_formats", "FORMATS", "NAN_KINDS", "ROUNDING_MODES", "Rounding"]
+__all__ = ["FloatFormat", "get_format", "list_formats", "generic_format_note", "FORMATS", "NAN_KINDS",
+           "ROUNDING_MODES", "Rounding"]
 
 NAN_KINDS = ("ieee", "fn", "fnuz", "none")
 
@@ -299,6 +300,22 @@ def get_format(name: str | FloatFormat) -> FloatFormat:
         return _ieee(key, e, m)
     valid = ", ".join(list(FORMATS) + sorted(_ALIASES))
     raise ValueError(f"unknown format {name!r}; valid: {valid}, or any eXmY of up to 16 bits")
+
+
+def generic_format_note(name: str) -> str | None:
+    """One line about ``name`` when it is an ``eXmY`` that no named format or alias has (so a
+    generic IEEE-like format: a slip for ``e4m3`` such as ``e4m4`` shows); None otherwise, and
+    for a name that does not parse (``get_format`` says why)."""
+    key = name.strip().lower() if isinstance(name, str) else ""
+    key = _ALIASES.get(key, key)
+    if key in FORMATS or not _GENERIC.match(key):
+        return None
+    try:
+        f = get_format(key)
+    except ValueError:
+        return None
+    return (f"{name} is not a named format: it is a generic IEEE-like {f.bits}-bit format (bias {f.bias}, "
+            f"max {f.max:g}, inf and NaN as IEEE, subnormals); the named ones: {', '.join(FORMATS)}")
 
 
 def list_formats() -> list[FloatFormat]:

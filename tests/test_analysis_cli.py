@@ -12,7 +12,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from fp8sim import cli
-from fp8sim.analysis.report import Thresholds, classify, parse_fail_on
+from fp8sim.analysis.report import parse_fail_on
+from fp8sim.analysis.status import Thresholds, classify
 from fp8sim.trace import TraceWriter
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -40,7 +41,7 @@ def run(capsys, *argv):
 def test_analyze_json_fields_and_values(dumps, tmp_path, capsys):
     js = tmp_path / "r.json"
     rc, out, err = run(capsys, "analyze", str(dumps), "--format", "e4m3,e5m2", "--scaling", "none,tensor",
-                       "--json", str(js))  # fmt: skip
+                       "--json", str(js), "--overflow-warning", "0.1", "--overflow-critical", "0.3")  # fmt: skip
     assert rc == 0, err
     doc = json.loads(js.read_text())
     recs = doc["records"]
@@ -49,6 +50,7 @@ def test_analyze_json_fields_and_values(dumps, tmp_path, capsys):
             "underflow", "subnormal", "nan", "inf", "sqnr_db", "rel_mse"}  # fmt: skip
     assert all(need <= set(r) for r in recs)
     hot = {(r["format"], r["scaling"]): r for r in recs if r["name"] == "hot"}
+    # 1 value of 256 (0.39%) overflows: critical from --overflow-critical 0.3 (%)
     assert hot["e4m3", "none"]["overflow"] == 1 and hot["e4m3", "none"]["status"] == "critical"
     assert hot["e5m2", "none"]["overflow"] == 0  # 1000 < 57344
     assert hot["e4m3", "tensor"]["scale"] == pytest.approx(448 / 1000, rel=1e-7)
@@ -242,13 +244,16 @@ def test_replay_cli(trace, tmp_path, capsys):
 
 
 def test_classify_and_rules():
-    base = {"overflow": 0, "underflow_pct": 0.0, "nan": 0, "inf": 0, "lost": 0}
-    assert classify(base) == "ok"
-    assert classify(base | {"underflow_pct": 0.5}) == "warning"
-    assert classify(base | {"underflow_pct": 2.0}) == "critical"
-    assert classify(base | {"overflow": 1}) == "critical"
-    assert classify(base | {"nan": 3}) == "warning"
-    assert classify(base | {"underflow_pct": 1.0}, Thresholds(2.0, 5.0)) == "ok"
+    base = {"overflow": 0, "overflow_pct": 0.0, "underflow_pct": 0.0, "nan": 0, "inf": 0, "lost": 0}
+    th = Thresholds(underflow_warning=0.5, underflow_critical=2.0, overflow_warning=0.01, overflow_critical=0.1)
+    assert classify(base, th) == "ok"
+    assert classify(base | {"underflow_pct": 0.5}, th) == "warning"
+    assert classify(base | {"underflow_pct": 2.0}, th) == "critical"
+    assert classify(base | {"overflow": 1, "overflow_pct": 0.005}, th) == "ok"
+    assert classify(base | {"overflow": 1, "overflow_pct": 0.05}, th) == "warning"
+    assert classify(base | {"overflow": 9, "overflow_pct": 0.1}, th) == "critical"
+    assert classify(base | {"nan": 3}, th) == "warning"
+    assert classify(base | {"underflow_pct": 1.0}, Thresholds(underflow_warning=2.0, underflow_critical=5.0)) == "ok"
     r1, r2, r3 = parse_fail_on("overflow>0, underflow>=1%,sqnr_db<20")
     rec = {"overflow": 0, "overflow_pct": 0.0, "underflow": 5, "underflow_pct": 1.0, "sqnr_db": None}
     assert not r1.crossed(rec) and r2.crossed(rec) and not r3.crossed(rec)  # None: no error
@@ -383,5 +388,6 @@ def test_mx_floor_rule_clamping_is_reported_as_clamping_not_overflow(tmp_path, c
     assert recs["mx"]["overflow"] == 1 and recs["mx"]["status"] == "warning"
     assert recs["mx:rceil"]["overflow"] == 0 and recs["mx:rceil"]["status"] == "ok"
     assert "clamped 1 (1.56%)" in out and "the spec clamps them to it by design" in out
-    # any other scaling's overflow stays critical
-    assert classify({**recs["mx"], "scaling": "tensor"}) == "critical"
+    # the same share of overflow under any other scaling is one: 1.56% >= a 1% critical share
+    assert classify({**recs["mx"], "scaling": "tensor"}, Thresholds(overflow_critical=1.0)) == "critical"
+    assert classify(recs["mx"], Thresholds(overflow_critical=1.0)) == "warning"  # clamping: never critical

@@ -378,7 +378,9 @@ def test_hugging_face_torch_bin_checkpoints(tmp_path, capsys):
     recs = records(out)
     assert sorted((r["name"], r["overflow"]) for r in recs) == [("v", 0), ("w", 4)]
     assert all(r["file"].endswith(".bin") and "pytorch_model" in r["file"] for r in recs)
-    rc, _, err = run(capsys, "analyze", d / "training_args.bin")  # named: opened, nothing to do
+    rc, _, err = run(capsys, "analyze", d / "training_args.bin")  # named: opened, nothing to analyze
+    assert rc == 2 and "no data analyzed" in err and "lr: skipped: not a tensor" in err
+    rc, _, err = run(capsys, "analyze", d / "training_args.bin", "--allow-empty")
     assert rc == 0 and "lr: skipped: not a tensor" in err
     rc, _, err = run(capsys, "analyze", d / "vocab.bin")
     assert rc == 2 and "vocab.bin: a .bin file that is not a torch checkpoint" in err

@@ -13,7 +13,7 @@ import numpy as np
 
 import fp8sim
 from fp8sim import cli
-from fp8sim.conformance import KNOWN_DIFFERENCES, available_casts, float16_all, float32_sweep
+from fp8sim.conformance import KNOWN_DIFFERENCES, available_casts, float16_all, float32_sweep, untested_libraries
 
 PATTERNS = 65536
 
@@ -52,7 +52,9 @@ def test_conformance_report_is_right_about_every_library(capsys):
     code = cli.main(["conformance", "--patterns", str(PATTERNS), "--json"])
     out = capsys.readouterr().out
     assert code == 0
-    rows = {(r["library"], r["target"], r["inputs"]): r for r in json.loads(out)}
+    doc = json.loads(out)
+    rows = {(r["library"], r["target"], r["inputs"]): r for r in doc if r["verdict"] != "UNTESTED"}
+    assert {r["library"] for r in doc if r["verdict"] == "UNTESTED"} == set(untested_libraries())
     casts = available_casts()
     assert {(lib, t) for lib, t, _, _ in casts} == {(k[0], k[1]) for k in rows}
     for library, tname, ours, factory in casts:
@@ -91,3 +93,24 @@ def test_conformance_knows_torch_and_ml_dtypes_overflow_rules(capsys):
     for lib in ("torch", "ml_dtypes"):
         r = res[(lib, "float8_e8m0fnu", "float32-sweep")]
         assert r["verdict"].startswith("agrees") and r["excluded"] > 0 and r["note"]
+
+
+def test_a_library_that_cannot_be_tested_is_named_never_left_out_silently(capsys, monkeypatch):
+    """Neither ml_dtypes nor Triton importable: each is listed (stderr, and a row UNTESTED with the
+    reason in the JSON); asked for by name, one is an error (exit 2) before any work."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import fails, find_spec gives None
+    monkeypatch.setitem(sys.modules, "triton", None)
+    assert set(untested_libraries()) == {"ml_dtypes", "triton"}
+    assert cli.main(["conformance", "--library", "ml_dtypes"]) == 2
+    err = capsys.readouterr().err
+    assert "--library ml_dtypes: cannot be tested here: ml_dtypes is not installed (pip install ml_dtypes)" in err
+    assert cli.main(["conformance", "--patterns", "1024", "--json"]) == 0
+    out, err = capsys.readouterr()
+    untested = {r["library"]: r for r in json.loads(out) if r["verdict"] == "UNTESTED"}
+    assert set(untested) == {"ml_dtypes", "triton"} and "pip install ml_dtypes" in untested["ml_dtypes"]["error"]
+    assert "not tested: ml_dtypes: ml_dtypes is not installed" in err and "not tested: triton" in err
+    assert cli.main(["conformance", "--patterns", "1024"]) == 0  # the table names them too
+    table = capsys.readouterr().out
+    assert any(line.startswith("ml_dtypes") and "ml_dtypes is not installed" in line for line in table.splitlines())

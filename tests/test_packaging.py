@@ -126,3 +126,13 @@ def test_foreign_top_level_packages_do_not_change_what_fp8sim_imports(foreign_pa
                           capture_output=True, text=True, env=env, cwd=foreign_packages,
                           timeout=300)
     assert proc.returncode == 0 and '"e4m3"' in proc.stdout, proc.stderr[-2000:]
+
+
+def test_the_base_install_has_what_the_readme_tour_uses():
+    """The Tour runs after 'pip install -e .': fp8sim.testing's draws need hypothesis, so it is a
+    dependency, not only the test extra's."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {d.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip() for d in project["dependencies"]}
+    assert {"hypothesis", "torch", "numpy", "numba", "safetensors", "matplotlib"} <= names

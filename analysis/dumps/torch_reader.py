@@ -333,8 +333,12 @@ def _unpickling_error(path: str, exc: BaseException) -> ValueError:
         rest = lines[0].removeprefix("Weights only load failed.").strip()
         detail = "" if rest.startswith(("In PyTorch", "This file")) else rest
     if any(sign in detail for sign in _CODE_SIGNS):
-        return ValueError(f"{path}: refused: the pickle wants to run code, and .pt files are "
-                          f"loaded with torch.load(weights_only=True) only ({detail})")  # fmt: skip
+        # torch's advice (add_safe_globals) is for code that calls torch.load itself; the fix
+        # here is in how the file was saved
+        detail = detail.split(" Please use `torch.serialization.add_safe_globals", 1)[0]
+        return ValueError(f"{path}: refused: the pickle wants to run code ({detail}); .pt files are loaded "
+                          "with torch.load(weights_only=True) only: save tensors, not objects (a whole "
+                          "model: torch.save(model.state_dict(), path))")  # fmt: skip
     if "must be imported" in detail:  # NJTs, DTensors: a real torch file this reader cannot load
         return ValueError(f"{path}: torch.load(weights_only=True) cannot load it here ({detail})")
     return ValueError(f"{path}: not a valid PyTorch file (corrupt or not a torch.save pickle: "

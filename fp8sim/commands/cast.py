@@ -8,8 +8,8 @@ import re
 
 import numpy as np
 
-from fp8sim.commands.output import print_json, print_table
-from fp8sim.formats import ROUNDING_MODES, get_format
+from fp8sim.commands.output import info, print_json, print_table
+from fp8sim.formats import ROUNDING_MODES, generic_format_note, get_format
 
 __all__ = ["register", "run", "cast_record"]
 
@@ -85,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     from fp8sim.emulator import decode, encode  # compiles numba code: only when casting
 
     fmt = get_format(args.format)
+    note = generic_format_note(args.format)
+    if note:
+        info(f"note: {note}")
     x = np.array([_parse_value(v) for v in args.values], dtype=np.float64)
     kw = {}
     if args.rounding == "stochastic":

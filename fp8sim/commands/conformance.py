@@ -7,10 +7,8 @@ import sys
 
 from fp8sim.commands.output import info, print_json, print_table
 
-__all__ = ["register", "run", "LIBRARIES", "MAX_PATTERNS"]
+__all__ = ["register", "run", "MAX_PATTERNS"]
 
-#: what --library takes (a Triton check runs natively on a GPU, else in the interpreter)
-LIBRARIES = ("torch", "ml_dtypes", "triton")
 #: the largest sweep: its patterns and every library's casts of them are held in memory
 MAX_PATTERNS = 1 << 26
 
@@ -38,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     # without a GPU, Triton's casts can only run in its interpreter; with one, natively
     os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
-    from fp8sim.conformance import run_conformance
+    from fp8sim.conformance import LIBRARIES, CheckResult, run_conformance, untested_libraries
 
     if not 1 <= args.patterns <= MAX_PATTERNS:
         raise ValueError(f"--patterns must be in 1..{MAX_PATTERNS} (2**26: the sweep is held in "
@@ -46,8 +44,18 @@ def run(args: argparse.Namespace) -> int:
     for lib in args.library or []:
         if lib not in LIBRARIES:
             raise ValueError(f"--library {lib!r}: valid: {', '.join(LIBRARIES)}")
+    untested = untested_libraries()
+    for lib in args.library or []:
+        if lib in untested:  # asked for by name: not testing it is an error, said before any work
+            raise ValueError(f"--library {lib}: cannot be tested here: {untested[lib]}")
     show = (lambda m: info(f"  checking {m}")) if (sys.stderr.isatty() and not args.json) else None
     results = run_conformance(args.patterns, args.library, args.examples, progress=show)
+    # the libraries left out, said in the table and the JSON (verdict UNTESTED) and on stderr
+    results += [CheckResult(lib, "-", "-", "-", 0, -1, -1, "UNTESTED", [], why)
+                for lib, why in untested.items() if not args.library]
+    for lib, why in untested.items():
+        if not args.library:
+            info(f"not tested: {lib}: {why}")
     if args.json:
         print_json([r.as_dict() for r in results])
     else:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from fp8sim.commands.output import print_json, print_table
-from fp8sim.formats import get_format, list_formats
+from fp8sim.commands.output import info, print_json, print_table
+from fp8sim.formats import generic_format_note, get_format, list_formats
 
 __all__ = ["register", "run", "format_record"]
 
@@ -45,6 +45,10 @@ def format_record(fmt) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     fmts = [get_format(n) for n in args.names] if args.names else list_formats()
+    for n in args.names or []:
+        note = generic_format_note(n)
+        if note:
+            info(f"note: {note}")
     records = [format_record(f) for f in fmts]
     if args.json:
         print_json(records)

@@ -16,8 +16,8 @@ For anyone who writes a float -> FP8 cast (numpy, torch, Triton, CUDA through to
   ``ties``, ``near_ties``, ``specials``, ``boundary_values``, ``values``, ``arrays``, ``codes``
   (see :mod:`fp8sim.testing.strategies`).
 
-hypothesis is optional (``pip install hypothesis``): without it the strategies raise
-ImportError, and the assertions check the fixed edge cases only when ``max_examples=0``.
+hypothesis is a dependency of fp8sim, imported only when a strategy is built or an assertion
+draws arrays (``max_examples=0`` checks the fixed edge cases only, without it).
 """
 
 from fp8sim.testing.assertions import assert_bitexact

@@ -1,9 +1,9 @@
 """Values at and around every boundary of a format, as numpy arrays and hypothesis strategies.
 
-The numpy functions (``*_values``) need nothing beyond numpy; the strategies need hypothesis,
-which stays an optional dependency of fp8sim (``pip install hypothesis``, or the ``test``
-extra): it is imported when a strategy is built, never by ``import fp8sim`` or
-``import fp8sim.testing``, and a strategy built without it raises ImportError saying so.
+The numpy functions (``*_values``) need nothing beyond numpy; the strategies need hypothesis, a
+dependency of fp8sim: it is imported when a strategy is built, never by ``import fp8sim`` or
+``import fp8sim.testing``, and a strategy built where it was uninstalled raises ImportError
+saying so.
 
 Every value is a float32 (strategies draw ``numpy.float32`` scalars). "Both signs" means each
 value and its negation; for the unsigned E8M0 the negative ones are invalid inputs that
@@ -39,8 +39,8 @@ __all__ = [
 ]
 
 HYPOTHESIS_HINT = (
-    "fp8sim.testing strategies need hypothesis, an optional dependency: "
-    "pip install hypothesis (or pip install 'fp8sim[test]')"
+    "fp8sim.testing strategies need hypothesis, a dependency of fp8sim that is not installed "
+    "here: pip install hypothesis"
 )
 
 

@@ -9,8 +9,10 @@ A trace is a directory::
 ``trace.json``: ``{"schema": "fp8sim-trace", "version": 1, "trace_id": "<32 hex digits>",
 "config": {...run config...},
 "rounding": "rne", "chunk_steps": N, "hist": {"mantissa_bits": k, "exponent_min": -150,
-"exponent_max": 128}, "formats": [names], "tensors": [{"name", "role", "format", "shape"}]}``.
-Roles: :data:`ROLES`.
+"exponent_max": 128}, "formats": [names], "tensors": [{"name", "role", "format", "shape",
+"what_if"}]}``. Roles: :data:`ROLES`. ``what_if`` (true or false; absent in traces written before
+it, :func:`fp8sim.trace.reader.is_what_if`): the run did not perform this cast, and the records
+say what it would have done.
 
 Each chunk holds one row per (step, tensor) record, columnar (see :data:`SCALAR_COLUMNS`):
 ``step, tensor`` (catalogue index), ``format`` (index into ``formats``), ``numel, zero, nan, inf,

@@ -157,7 +157,7 @@ def merge_rank_traces(run_dir: str | os.PathLike, dest: str | os.PathLike) -> Pa
             shape = list(t.shape)
             if place[t.name] == "partitioned" and shape:
                 shape[0] = sum(r.tensor(t.name).shape[0] if r.tensor(t.name).shape else 0 for r in readers)
-            w.add_tensor(t.name, t.role, t.format, shape, placement=place[t.name])
+            w.add_tensor(t.name, t.role, t.format, shape, placement=place[t.name], what_if=t.what_if)
         order = [key for rec in r0.records() for key in [(rec.step, rec.name)]]
         seen: dict[tuple[int, str], int] = {}
         rows_scales, rows_step, rows_tensor = [], [], []

@@ -41,13 +41,15 @@ __all__ = ["TraceReader", "TensorInfo", "TraceRecord"]
 @dataclass(frozen=True)
 class TensorInfo:
     """One catalogue entry: ``name``, ``role`` (:data:`fp8sim.trace.layout.ROLES`), ``format``
-    name, ``shape``, ``index`` (its position in the catalogue)."""
+    name, ``shape``, ``index`` (its position in the catalogue), ``what_if`` (the run did not
+    perform this cast: its records say what the cast would have done; see :func:`is_what_if`)."""
 
     name: str
     role: str
     format: str
     shape: tuple[int, ...]
     index: int = -1
+    what_if: bool = False
 
 
 @dataclass
@@ -82,7 +84,25 @@ def _str(v: Any, what: str) -> str:
     return v
 
 
-def _tensor_info(t: Any, i: int) -> TensorInfo:
+def is_what_if(entry: dict, config: Any) -> bool:
+    """Whether catalogue ``entry`` is a cast the run did not perform: its ``what_if`` flag, or,
+    in a trace written before the flag, a weight gradient that fp8sim's recorder logged with the
+    output gradient's cast (format and policy), as it did for every recipe that keeps weight
+    gradients in high precision."""
+    if "what_if" in entry:
+        if not isinstance(entry["what_if"], bool):
+            raise TypeError(f"what_if {entry['what_if']!r:.40} is not true or false")
+        return entry["what_if"]
+    if entry.get("role") != "weight_grad" or not isinstance(config, dict):
+        return False
+    casts = config.get("casts") if config.get("source") == "fp8sim.training.recorder" else None
+    if not isinstance(casts, dict) or not all(isinstance(casts.get(r), dict) for r in ("weight_grad", "grad_output")):
+        return False
+    wg, go = casts["weight_grad"], casts["grad_output"]
+    return (wg.get("format"), wg.get("policy")) == (go.get("format"), go.get("policy"))
+
+
+def _tensor_info(t: Any, i: int, config: Any = None) -> TensorInfo:
     """Catalogue entry ``i`` of trace.json, its fields checked (TypeError/ValueError otherwise)."""
     if not isinstance(t, dict):
         raise TypeError(f"tensors[{i}] is a {type(t).__name__}, not an object")
@@ -90,7 +110,8 @@ def _tensor_info(t: Any, i: int) -> TensorInfo:
     if not all(type(n) is int and 0 <= n < 2**63 for n in shape):
         raise ValueError(f"tensors[{i}].shape {shape!r:.60} is not a list of non-negative ints")
     return TensorInfo(_str(t["name"], f"tensors[{i}].name"), _str(t["role"], f"tensors[{i}].role"),
-                      _str(t["format"], f"tensors[{i}].format"), tuple(shape), i)  # fmt: skip
+                      _str(t["format"], f"tensors[{i}].format"), tuple(shape), i,
+                      is_what_if(t, config))  # fmt: skip
 
 
 class TraceReader:
@@ -131,7 +152,7 @@ class TraceReader:
             if not 0 <= hist_bits <= 10:  # what a writer takes (histogram.check_mantissa_bits)
                 raise ValueError(f"hist.mantissa_bits {hist_bits} is outside 0..10")
             formats = [_str(f, "formats") for f in _list(meta.get("formats", []), "formats")]
-            tensors = [_tensor_info(t, i) for i, t in enumerate(_list(meta.get("tensors", []), "tensors"))]
+            tensors = [_tensor_info(t, i, config) for i, t in enumerate(_list(meta.get("tensors", []), "tensors"))]
             check_catalogue(rounding, formats, tensors)
         except Exception as exc:  # missing keys, wrong types: one line naming the file
             raise ValueError(f"{meta_path}: corrupt trace.json: {type(exc).__name__}: {exc}") from None

@@ -158,23 +158,28 @@ class TraceWriter:
     # -- catalogue ---------------------------------------------------------------------------
     def add_tensor(
         self, name: str, role: str, fmt: str | FloatFormat, shape: Sequence[int], *,
-        placement: str | None = None,
+        placement: str | None = None, what_if: bool = False,
     ) -> None:
         """Declare a tensor. Re-declaring it with the same role/format/shape is a no-op.
         ``placement`` (``partitioned`` or ``replicated`` over the ranks of a run; default by role):
-        how :mod:`fp8sim.trace.merge` combines the ranks' records."""
+        how :mod:`fp8sim.trace.merge` combines the ranks' records. ``what_if``: the run does not
+        perform this cast; the record says what it would do (the recorder's weight gradients
+        under a recipe that keeps them in high precision)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor name must be a non-empty string, got {name!r}")
         if role not in ROLES:
             raise ValueError(f"tensor {name!r}: role must be one of {ROLES}, got {role!r}")
         fmt_name = get_format(fmt).name
-        entry = {"name": name, "role": role, "format": fmt_name, "shape": [int(s) for s in shape]}
+        entry = {"name": name, "role": role, "format": fmt_name, "shape": [int(s) for s in shape],
+                 "what_if": bool(what_if)}
         if placement is not None:
             if placement not in ("partitioned", "replicated"):
                 raise ValueError(f"tensor {name!r}: placement must be partitioned or replicated, got {placement!r}")
             entry["placement"] = placement
         if name in self._index:
             old = self._meta["tensors"][self._index[name]]
+            if "what_if" not in old:  # declared by a writer older than the flag
+                entry.pop("what_if")
             if old != entry:
                 raise ValueError(f"tensor {name!r} already declared as {old}, now {entry}")
             return

@@ -127,6 +127,9 @@ def plot_loss_curves(runs: list[str | os.PathLike], path: str | os.PathLike, *, 
         if val:
             ax.plot(*zip(*val), "o--", color=color, ms=4, lw=0.8, label=f"{r['name']} (val)")
     ax.set_xlabel("step")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -62,7 +62,8 @@ class StepBatch:
 
     step: int
     records: list[_Record] = field(default_factory=list)
-    declare: list[tuple[str, str, str, tuple[int, ...]]] = field(default_factory=list)
+    #: (name, role, format, shape, what_if) of the tensors first seen this step
+    declare: list[tuple[str, str, str, tuple[int, ...], bool]] = field(default_factory=list)
     _parts: list[torch.Tensor] = field(default_factory=list)
     _length: int = 0
     _host: torch.Tensor | None = None
@@ -126,8 +127,8 @@ class StepBatch:
     def write(self, writer: Any) -> None:
         """Write the step into ``writer`` (a :class:`~fp8sim.trace.TraceWriter`); the background
         writer's job."""
-        for name, role, fmt, shape in self.declare:
-            writer.add_tensor(name, role, fmt, shape)
+        for name, role, fmt, shape, what_if in self.declare:
+            writer.add_tensor(name, role, fmt, shape, what_if=what_if)
         k = writer.hist_mantissa_bits
         for rec in self.records:
             r = self.host_stats(rec, k)

@@ -5,7 +5,9 @@ Two sources, one trace format:
 * an FP8 model (after :func:`fp8sim.training.convert_to_fp8`): every cast the FP8 linears make --
   input activations, weights, output gradients (and weight gradients where the recipe casts
   them) -- with the scale the policy actually used; plus every FP8 linear's weight gradient after
-  accumulation, recorded against the output-gradient format and the recorder's own policy;
+  accumulation, recorded against the output-gradient format and the recorder's own policy: a
+  *what-if* cast where the recipe keeps weight gradients in high precision (flagged ``what_if``
+  in the trace's catalogue, as every cast the recipe does not perform);
 * any other PyTorch model: forward/backward hooks on its ``nn.Linear`` modules (subclasses too)
   and Hugging Face ``Conv1D`` modules (GPT-2's projections; their weight, stored transposed, is
   recorded as ``(out, in)`` like a linear's) capture the same roles, and the recorder runs a
@@ -118,6 +120,9 @@ class Recorder:
             candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)]
         self.layers = select_layers(layers, candidates)
         self._layer_names = {n for n, _ in self.layers}
+        # the casts the recipe performs (live, or under its policies on a plain model); the
+        # others are what-if casts, flagged so in the trace's catalogue
+        self.performed = frozenset(casts)
         # the weight gradient is not cast by TE recipes: record it against the gradient format
         if "weight_grad" not in casts:
             casts["weight_grad"] = CastConfig(casts["grad_output"].fmt, casts["grad_output"].scaling)
@@ -250,7 +255,7 @@ class Recorder:
 
             measured["blocks"] = mx_what_if(x, fmt, self._hist_bits)  # what an MX cast would do
         if name not in self._declared:  # declared once, with the first shape seen
-            self._batch.declare.append((name, role, fmt.name, tuple(x.shape)))
+            self._batch.declare.append((name, role, fmt.name, tuple(x.shape), role not in self.performed))
             self._declared.add(name)
         return self._batch.add(name, role, fmt, x, scale, stats, save=self._save, **measured)
 
