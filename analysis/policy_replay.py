@@ -32,6 +32,10 @@ amax (``quantizer.scale_for``). NVFP4 policies cast to E2M1 whatever the recorde
 E4M3 block scales and the tensor scale of :mod:`fp8sim.nvfp4` (compressed-tensors' variant,
 whose cast divides, is not replayed: ``analyze`` does not count it either). ``mx`` and block
 ``current`` policies keep the recorded format and need a round-to-nearest-even trace.
+``mx`` (the OCP ``floor`` rule) is also replayed exactly without a saved tensor at the records
+that hold a block-relative histogram (an MX-cast model's records, or ``record(...,
+block_stats="mx")``; :func:`fp8sim.trace.block_stats.mx_floor_counts`), except records with a
+NaN/inf block or a block whose amax is below ``2**-112``, which need the saved tensor.
 """
 
 from __future__ import annotations
@@ -216,6 +220,29 @@ def _block_variant(pol: _Replayed, spec: str, rounding: str) -> Callable:
     return variant
 
 
+def _from_block_stats(pol: _Replayed) -> bool:
+    """Whether ``pol`` (MX with the OCP ``floor`` rule) replays exactly from a record's
+    block-relative histogram (:func:`fp8sim.trace.block_stats.mx_floor_counts`)."""
+    from fp8sim.granularity import E8M0Rule
+
+    g = pol.granularity
+    return g.kind == "mx" and g.mx_rule == E8M0Rule.FLOOR
+
+
+def _relative_exact(rec, fmt) -> bool:
+    """Whether ``rec`` holds a block-relative histogram from which the MX floor rule's counts in
+    ``fmt`` are exact: no block whose values are lost (NaN/inf), none too small to judge, and an
+    element format whose emax the histogram covers."""
+    b = rec.blocks
+    return (b is not None and b.rel is not None and b.nan_blocks == 0 and b.rel_unsafe == 0
+            and fmt.emax <= 15)  # fmt: skip
+
+
+def _any_relative(reader: TraceReader) -> bool:
+    """Whether some record of ``reader`` holds a block-relative histogram (an MX cast's)."""
+    return any(r.blocks is not None and r.blocks.rel is not None for r in reader.records())
+
+
 def replay_policies(
     trace: TraceReader | str,
     specs: Sequence[str],
@@ -244,7 +271,7 @@ def replay_policies(
             policies.append((spec, pol, block))
     saved = set(reader.saved_tensors()) if any(b for _, _, b in policies) else set()
     for spec, pol, block in policies:
-        if block is not None and not saved:
+        if block is not None and not saved and not (_from_block_stats(pol) and _any_relative(reader)):
             raise ValueError(
                 f"policy {spec!r}: {pol.granularity.spec} scaling needs per-block amaxes, which a "
                 "per-tensor record does not hold, and this trace saved no full tensor to replay "
@@ -276,6 +303,15 @@ def replay_policies(
                 un = (rec.underflow, rec.underflow)
                 exact = True
                 row = (finite, nonzero, _event(rec.amax, scale, fmt, rounding))
+            elif block is not None and full is None and _from_block_stats(pol) and _relative_exact(rec, fmt):
+                from fp8sim.trace.block_stats import mx_floor_counts
+
+                q = pol.quantizer(fmt)
+                scale = q.scale_for(rec.name, rec.amax)
+                over, under, _ = mx_floor_counts(rec.blocks, fmt, reader.hist_mantissa_bits)
+                ov, un, exact = (over, over), (under, under), True
+                q.observe(rec.name, rec.amax, numel=rec.numel)
+                row = (finite, nonzero, over > 0)
             elif block is not None:
                 if full is None:
                     skipped[k] += 1

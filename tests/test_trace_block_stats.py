@@ -144,3 +144,36 @@ def test_a_per_tensor_recording_can_keep_what_mx_would_do(tmp_path):
         assert (over, under) == (v.overflow, v.underflow) and r.blocks.clipped == v.overflow
     with pytest.raises(ArgumentError, match="block_stats"):
         record(model, tmp_path / "u", block_stats="nvfp4")
+
+
+def test_mx_replays_from_block_statistics_without_saved_tensors(tmp_path):
+    """replay's mx policy (the floor rule) over a trace that kept block-relative histograms but
+    saved no tensor equals its replay from the saved tensors of the same run, record for record;
+    mx:rceil, which the histogram cannot give, still needs saved tensors."""
+    import torch.nn as nn
+
+    from fp8sim.analysis import replay
+    from fp8sim.training import record
+
+    def run(path, save_every):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32))
+        with record(model, path, save_every=save_every, block_stats="mx"):
+            for i in range(3):
+                x = _wide(8, 64, seed=i)
+                x[5, 32:64] = 0.5  # no block below 2**-112: every record replays from its histogram
+                x[0, 0] = 1e-6 * x[0].abs().max()  # 2**-20 below its block's amax: lost by E4M3
+                model(x).square().mean().backward()
+
+    run(tmp_path / "saved", 1)
+    run(tmp_path / "stats", 0)
+    from_saved = replay(tmp_path / "saved", ["mx"], include_recorded=False, what_if=True)
+    from_stats = replay(tmp_path / "stats", ["mx"], include_recorded=False, what_if=True)
+    assert from_stats.policies[0].to_dict()["skipped"] == 0
+    a, b = from_saved.records, from_stats.records
+    assert len(a) == len(b) > 0
+    assert [(r.step, r.tensor, r.scale, r.overflow, r.underflow, r.event) for r in a] == \
+        [(r.step, r.tensor, r.scale, r.overflow, r.underflow, r.event) for r in b]  # fmt: skip
+    assert sum(r.underflow[0] for r in b) > 0 and sum(r.overflow[0] for r in b) > 0  # both rules seen
+    with pytest.raises(ValueError, match="saved no full tensor"):
+        replay(tmp_path / "stats", ["mx:rceil"])
