@@ -20,6 +20,7 @@ a whole file.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fp8sim.analysis.status import Thresholds
@@ -259,6 +260,8 @@ def run_replay(args: argparse.Namespace) -> int:
             return _run_allreduce(args)
         if not args.policy:
             raise ValueError("replay: give --policy SPEC (one or more) or --allreduce N")
+        if _is_te_log(args.trace):
+            return _run_te_log(args)
         plot_dir = _outputs_checked(None, args.plot)
         result = replay(args.trace, args.policy, include_recorded=not args.no_recorded, what_if=args.what_if,
                         fail_on=args.fail_on, progress=args.json is None and sys.stderr.isatty())  # fmt: skip
@@ -271,8 +274,8 @@ def run_replay(args: argparse.Namespace) -> int:
 
     for pol in result.policies:
         if pol.policy != RECORDED and needs_full_tensors(pol.policy):
-            _msg(f"policy {pol.policy}: replayed at the {pol.records} records with a saved full tensor; "
-                 f"{pol.skipped} without one left out")  # fmt: skip
+            _msg(f"policy {pol.policy}: replayed at the {pol.records} records with a saved full tensor "
+                 f"(or, for mx, block statistics); {pol.skipped} without either left out")  # fmt: skip
     _msg(f"replayed {result.trace_records} records under {len(result.policies)} policies")
     if result.what_if_records:
         _msg(result.what_if_note())
@@ -281,6 +284,47 @@ def run_replay(args: argparse.Namespace) -> int:
         _msg(f"--fail-on: {len(result.crossings)} crossing(s); first: {c.rule} under policy "
              f"{c.policy}: tensor {c.tensor} at step {c.step}")  # fmt: skip
         return 1
+    return 0
+
+
+def _is_te_log(path: str) -> bool:
+    from fp8sim.trace.te_logs import te_log_files
+
+    return os.path.exists(path) and bool(te_log_files(path))
+
+
+def _run_te_log(args: argparse.Namespace) -> int:
+    """``replay TE_LOG_DIR --policy ...``: per policy and tensor, the scales and amax-overflow
+    events that Transformer Engine's logged amaxes give (counts need histograms the log lacks)."""
+    from fp8sim.analysis.json_output import json_text, write_json
+    from fp8sim.analysis.report import text_table
+    from fp8sim.analysis.te_log_summary import replay_te_log
+    from fp8sim.trace.te_logs import read_te_logs
+
+    for flag, given in (("--fail-on", args.fail_on is not None), ("--plot", args.plot is not None),
+                        ("--by", args.by != "policy"), ("--what-if", args.what_if)):  # fmt: skip
+        if given:
+            raise ValueError(f"replay: {flag} needs an fp8sim trace; {args.trace} is a Transformer Engine "
+                             "debug log (its amaxes give scales and overflow events only)")  # fmt: skip
+    rows = replay_te_log(read_te_logs(args.trace), args.policy)
+    out = [{"policy": r["policy"], "tensor": f"{r['layer']}.{r['tensor']}", "iterations": len(r["steps"]),
+            "events": sum(1 for _, _, e in r["steps"] if e), "undecided": sum(1 for _, _, e in r["steps"] if e is None),
+            "scale_min": min((s for _, s, _ in r["steps"]), default=None),
+            "scale_max": max((s for _, s, _ in r["steps"]), default=None)} for r in rows]  # fmt: skip
+    if args.json == "-":
+        sys.stdout.write(json_text({"trace": args.trace, "source": "te-debug-log", "rows": out}) + "\n")
+    elif args.json is not None:
+        write_json(args.json, {"trace": args.trace, "source": "te-debug-log", "rows": out})
+    if args.json != "-":
+        print(text_table(["policy", "tensor", "iterations", "events", "undecided", "scale min", "scale max"],
+                         [[r["policy"], r["tensor"], str(r["iterations"]), str(r["events"]), str(r["undecided"]),
+                           f"{r['scale_min']:.4g}" if r["scale_min"] is not None else "-",
+                           f"{r['scale_max']:.4g}" if r["scale_max"] is not None else "-"] for r in out],
+                         right={2, 3, 4, 5, 6}))  # fmt: skip
+    _msg(f"{args.trace}: a Transformer Engine debug log holds whole-tensor statistics only: each policy's "
+         "scales and amax-overflow events (events: iterations whose amax overflows; undecided: the logged "
+         "amax's 4-decimal interval straddles the threshold) are exact; overflow and underflow counts "
+         "need the histograms of an fp8sim trace")  # fmt: skip
     return 0
 
 

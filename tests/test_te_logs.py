@@ -110,3 +110,21 @@ def test_replay_from_logged_amaxes(te_log):
     assert cur[("static", "decoder.1.self_attention.linear_qkv", "activation")][0][2] is True
     with pytest.raises(ValueError, match="block amaxes"):
         replay_te_log(read_te_logs(te_log), ["mx"])
+
+
+def test_replay_command_reads_the_log(te_log, capsys):
+    """`fp8sim replay TE_LOG --policy ...` gives the logged amaxes' scales and events, says what it
+    cannot give, and refuses the options that need an fp8sim trace."""
+    import json
+
+    from fp8sim.cli import main
+
+    assert main(["replay", str(te_log), "--policy", "static:scale=200", "--policy", "current", "--json", "-"]) == 0
+    out = capsys.readouterr()
+    rows = {(r["policy"].split(":")[0], r["tensor"]): r for r in json.loads(out.out)["rows"]}
+    qkv = rows[("static", "decoder.1.self_attention.linear_qkv.activation")]
+    assert qkv["events"] == 1 and qkv["scale_min"] == qkv["scale_max"] == 200.0  # 3.25 * 200 > 464
+    assert rows[("current", "decoder.1.self_attention.linear_qkv.activation")]["events"] == 0
+    assert "need the histograms" in out.err
+    assert main(["replay", str(te_log), "--policy", "current", "--fail-on", "events>0"]) == 2
+    assert "needs an fp8sim trace" in capsys.readouterr().err
