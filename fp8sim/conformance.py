@@ -115,29 +115,15 @@ def _ml_dtypes_cast(type_name: str, bits: int) -> Callable[[np.ndarray], np.ndar
 
 def _triton_cast(kind: str) -> Callable[[np.ndarray], np.ndarray]:
     import torch
-    import triton
-    import triton.language as tl
 
-    @triton.jit
-    def _cast_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, E5: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # one block of elements
-        mask = offs < n
-        x = tl.load(x_ptr + offs, mask=mask)
-        if E5:
-            y = x.to(tl.float8e5)
-        else:
-            y = x.to(tl.float8e4nv)
-        tl.store(out_ptr + offs, y.to(tl.uint8, bitcast=True), mask=mask)
+    from fp8sim.kernels.native_cast import native_cast
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    fmt = "e5m2" if kind == "e5" else "e4m3"
 
     def cast(x: np.ndarray) -> np.ndarray:
-        xt = torch.from_numpy(np.ascontiguousarray(x)).to(device)
-        out = torch.empty(x.size, dtype=torch.uint8, device=device)
-        block = 1 << 14
-        _cast_kernel[(triton.cdiv(x.size, block),)](xt, out, x.size, BLOCK=block,
-                                                     E5=(kind == "e5"))
-        return out.cpu().numpy()
+        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32).reshape(-1)).to(device)
+        return native_cast(xt, fmt).cpu().numpy()
 
     return cast
 
@@ -169,9 +155,9 @@ def available_casts() -> list[tuple[str, str, str, Callable[[], Callable]]]:
                           lambda t=tname, b=bits: _ml_dtypes_cast(t, b)))
     except ImportError:
         pass
-    try:
-        import triton  # noqa: F401
+    import importlib.util
 
+    if importlib.util.find_spec("triton") is not None:  # imported only by fp8sim.kernels
         import torch
 
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -179,8 +165,6 @@ def available_casts() -> list[tuple[str, str, str, Callable[[], Callable]]]:
         if interpret or torch.cuda.is_available():
             casts.append((f"triton-{mode}", "tl.float8e4nv", "e4m3", lambda: _triton_cast("e4")))
             casts.append((f"triton-{mode}", "tl.float8e5", "e5m2", lambda: _triton_cast("e5")))
-    except ImportError:
-        pass
     return casts
 
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import functools
 import math
 
-import numba
 import numpy as np
 
+from fp8sim._numba.jit import jit_serial
 from fp8sim.emulator import ROUNDING_IDS, decode_table
 from fp8sim.formats import FloatFormat, get_format
 
@@ -159,10 +159,10 @@ def round_to_code(x, values, sig_even, max_code, sign_mask, signed, neg_zero, no
     return idx
 
 
-round_to_code_jit = numba.njit(cache=True)(round_to_code)
+round_to_code_jit = jit_serial(round_to_code)
 
 
-@numba.njit(cache=True)
+@jit_serial
 def _sweep(xs, rs, values, sig_even, max_code, sign_mask, signed, neg_zero, no_zero,
            has_inf, inf_code, nan_kind, nan_code, mode, saturate, k, out):
     for i in range(xs.size):

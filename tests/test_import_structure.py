@@ -233,3 +233,59 @@ def test_the_private_import_check_sees_a_violation(tmp_path, monkeypatch):
     real = _installed_modules()
     monkeypatch.setitem(globals(), "_installed_modules", lambda: {**real, "fp8sim.bad": bad})
     assert _private_imports() == ["fp8sim.bad:1 from fp8sim.emulator import _is_torch"]
+
+
+def _third_party_imports(name: str) -> list[str]:
+    """``module:line`` of every import of the top-level package ``name`` (any kind of import)."""
+    found = []
+    for mod, path in _installed_modules().items():
+        for node, _ in _imports(ast.parse(path.read_text(), str(path))):
+            roots = ([a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import)
+                     else [(node.module or "").split(".")[0]] if node.level == 0 else [])  # fmt: skip
+            if name in roots:
+                found.append(f"{mod}:{node.lineno}")
+    return found
+
+
+def test_only_the_kernels_import_triton():
+    # docs/design.md: "Triton is imported only by fp8sim.kernels"; the triton backend and the
+    # conformance report reach it through fp8sim.kernels
+    found = _third_party_imports("triton")
+    assert found and all(f.startswith("fp8sim.kernels.") for f in found), found
+
+
+def _numba_compiles() -> list[str]:
+    """``module:line`` of every call or decorator ``numba.njit`` / ``numba.jit`` / ``njit`` /
+    ``jit`` / ``numba.vectorize`` outside :data:`PRIVATE_HELPERS` (the one place for flags)."""
+    found = []
+    for mod, path in _installed_modules().items():
+        if (mod + ".").startswith(PRIVATE_HELPERS + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            f = node.func if isinstance(node, ast.Call) else node
+            name = (f.attr if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                    and f.value.id == "numba" else f.id if isinstance(f, ast.Name) else None)  # fmt: skip
+            if name in ("njit", "jit", "vectorize", "guvectorize", "cfunc") and isinstance(node, (ast.Call, ast.Name)):
+                if isinstance(f, ast.Name) and not _imported_from_numba(path, name):
+                    continue
+                found.append(f"{mod}:{node.lineno}")
+    return found
+
+
+def _imported_from_numba(path: Path, name: str) -> bool:
+    tree = ast.parse(path.read_text(), str(path))
+    return any(isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "numba"
+               and any(a.name == name for a in n.names) for n in ast.walk(tree))  # fmt: skip
+
+
+def test_numba_compile_flags_live_in_one_place():
+    # docs/design.md: "numba compile flags live in one place (fp8sim/_numba/jit.py)"
+    assert _numba_compiles() == []
+
+
+def test_the_numba_check_sees_a_violation(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import numba\n\n@numba.njit(cache=True)\ndef f(x):\n    return x\n")
+    real = _installed_modules()
+    monkeypatch.setitem(globals(), "_installed_modules", lambda: {**real, "fp8sim.bad": bad})
+    assert _numba_compiles() == ["fp8sim.bad:3"]
