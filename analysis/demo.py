@@ -191,7 +191,7 @@ def _demo(out: Path, recipe: str, base: dict, quick: bool, progress: bool | None
     vs_bf16 = compare_runs(runs["bf16"], runs["fp8_torch"])
 
     # -- analyze, replay, compare -----------------------------------------------------------
-    plots = owned_dir(out, "plots/analyze").parent
+    plots = owned_dir(out, "plots")
     _msg("analyzing the FP8 trace")
     analysis = analyze(str(traces["fp8_torch"]))
     analysis.to_json(out / "analyze.json")

@@ -303,7 +303,9 @@ def test_e8m0_float64_and_bad_scale_values(tmp_path):
     assert "it holds 1 NaN/inf and 1 zero or negative scales" in c_note
     # E8M0 tensors are not analyzed on their own: listed as skipped
     save_file({"z": e8}, str(tmp_path / "z.safetensors"))
-    rc, _, err = analyze(tmp_path / "z.safetensors")
+    rc, _, err = analyze(tmp_path / "z.safetensors")  # nothing left to analyze: a gate must not pass
+    assert rc == 2 and "no data analyzed" in err and "z: skipped: float8_e8m0fnu tensor" in err
+    rc, _, err = analyze(tmp_path / "z.safetensors", "--allow-empty")
     assert rc == 0 and "z: skipped: float8_e8m0fnu tensor" in err
 
 
