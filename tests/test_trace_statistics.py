@@ -96,3 +96,17 @@ def test_device_statistics_is_one_small_tensor_on_the_device():
 def test_engine_is_checked():
     with pytest.raises(ValueError, match="engine"):
         histogram_and_counts(torch.ones(3), get_format("e4m3"), 1.0, "rne", 5, engine="cuda")
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**30, 1e-30, 2.0**-126, 3.0e38])
+def test_float32_bit_patterns_agree_at_extreme_scales(scale):
+    """Float32 input is counted from its bits (exponent and mantissa fields; over/underflow as
+    bounds on |x|'s bits found once per call): random bit patterns of every exponent, subnormals
+    included, give the torch engine's figures, also where every value or none overflows."""
+    g = np.random.default_rng(3)
+    bits = g.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32)
+    bits[:64] = np.arange(64, dtype=np.uint32)  # the smallest subnormals
+    x = torch.from_numpy(bits.view(np.float32).copy())
+    for fmt, rounding in (("e4m3", "rne"), ("e5m2", "rna"), ("e2m1", "rtz")):
+        _same(histogram_and_counts(x, get_format(fmt), scale, rounding, 5, engine="numba"),
+              histogram_and_counts(x, get_format(fmt), scale, rounding, 5, engine="torch"))

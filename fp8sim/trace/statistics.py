@@ -141,6 +141,106 @@ def _abs_hist_kernel(x, scale, ov_at, ov_tie, un_at, un_tie, k, n_bins, n_parts)
     return hist, stats, amax
 
 
+@jit_kernel
+def _abs_hist_kernel_f32(x, u, over_from, under_to, k, n_bins, n_parts):
+    """:func:`_abs_hist_kernel` for float32 ``x`` (``u``: the same memory as uint32), from the
+    bits: the bin from the exponent and mantissa fields (a subnormal normalized first), and the
+    overflow / underflow tests as integer compares of ``|x|``'s bits -- ``float32(|x| * scale)``
+    is monotone in ``|x|``, so a finite nonzero ``|x|`` overflows iff its bits are ``>=
+    over_from`` and underflows iff they are ``<= under_to`` (:func:`_cast_bit_bounds`).
+
+    Returns (hist, stats, amax) as :func:`_abs_hist_kernel` does."""
+    n = u.size
+    hist = np.zeros((n_parts, n_bins), np.int64)
+    stats = np.zeros((n_parts, 5), np.int64)
+    amax = np.zeros(n_parts, np.float64)
+    per = (n + n_parts - 1) // n_parts
+    shift = 23 - k
+    low = (1 << shift) - 1
+    for p in numba.prange(n_parts):
+        start = p * per
+        stop = min(n, start + per)
+        zero = 0
+        nan = 0
+        inf = 0
+        over = 0
+        under = 0
+        top = 0  # the largest finite |x| seen, as bits (monotone for nonnegative floats)
+        at = -1
+        for i in range(start, stop):
+            a = np.int64(u[i]) & 0x7FFFFFFF
+            if a >= 0x7F800000:
+                if a == 0x7F800000:
+                    inf += 1
+                else:
+                    nan += 1
+                continue
+            if a == 0:
+                zero += 1
+                continue
+            if a > top:
+                top = a
+                at = i
+            e = a >> 23
+            if e != 0:  # normal: 2**(e - 127) * 1.m
+                m = a & 0x7FFFFF
+                e -= 127
+            else:  # subnormal: m * 2**-149, the leading one moved out
+                lead = 22
+                while (a >> lead) == 0:
+                    lead -= 1
+                m = (a - (np.int64(1) << lead)) << (23 - lead)
+                e = lead - 149
+            hist[p, _bin_id(e, m >> shift, 1 if (m & low) != 0 else 0, k)] += 1
+            if a >= over_from:
+                over += 1
+            elif a <= under_to:
+                under += 1
+        stats[p, 0] = zero
+        stats[p, 1] = nan
+        stats[p, 2] = inf
+        stats[p, 3] = over
+        stats[p, 4] = under
+        amax[p] = abs(np.float64(x[at])) if at >= 0 else 0.0
+    return hist, stats, amax
+
+
+def _cast_bit_bounds(scale32: float, thr) -> tuple[int, int]:
+    """``(over_from, under_to)``: the bits of the smallest finite positive float32 ``a`` whose
+    ``float32(a * scale32)`` overflows (``0x7F800000`` if none does), and of the largest whose
+    product underflows (0 if none does), by bisection over the ordered bit patterns."""
+
+    def product(bits: int) -> float:
+        a = np.array([bits], np.uint32).view(np.float32)[0]
+        with np.errstate(over="ignore", under="ignore"):
+            return float(np.float32(np.float64(a) * scale32))
+
+    def overflows(bits: int) -> bool:
+        q = product(bits)
+        return q > thr.overflow_at or (thr.overflow_tie and q == thr.overflow_at)
+
+    def underflows(bits: int) -> bool:
+        q = product(bits)
+        return q < thr.underflow_at or (thr.underflow_tie and q == thr.underflow_at)
+
+    lo, hi = 1, 0x7F800000  # overflows(hi) taken true: the first that does lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if overflows(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    over_from = lo
+    lo, hi = 0, 0x7F7FFFFF  # underflows(lo) taken true: the last that does lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if underflows(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return over_from, lo
+
+
 def _host_array(x: Any) -> np.ndarray:
     """Flat float32/float64 array of ``x`` (numpy, or a CPU torch tensor), no rounding."""
     return np.ascontiguousarray(as_float_array(x, "x")[0]).reshape(-1)
@@ -150,10 +250,15 @@ def _numba_counts(x: Any, fmt: FloatFormat, scale: float, rounding: str, k: int)
     a = _host_array(x)
     thr = cast_thresholds(fmt, rounding)
     n_parts = max(1, min(numba.get_num_threads(), a.size // (1 << 16)))
-    hist, stats, amax = _abs_hist_kernel(
-        a, float(np.float32(scale)), thr.overflow_at, thr.overflow_tie,
-        thr.underflow_at, thr.underflow_tie, k, num_bins(k), n_parts,
-    )  # fmt: skip
+    scale32 = float(np.float32(scale))
+    if a.dtype == np.float32:
+        over_from, under_to = _cast_bit_bounds(scale32, thr)
+        hist, stats, amax = _abs_hist_kernel_f32(a, a.view(np.uint32), over_from, under_to, k, num_bins(k), n_parts)
+    else:
+        hist, stats, amax = _abs_hist_kernel(
+            a, scale32, thr.overflow_at, thr.overflow_tie,
+            thr.underflow_at, thr.underflow_tie, k, num_bins(k), n_parts,
+        )  # fmt: skip
     dense = hist.sum(axis=0)
     nz = np.flatnonzero(dense)
     s = stats.sum(axis=0)
