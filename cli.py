@@ -15,7 +15,7 @@ import importlib
 import os
 import sys
 
-from fp8sim.commands.output import one_line
+from fp8sim.errors import one_line
 
 __all__ = ["main", "build_parser", "COMMAND_MODULES"]
 
@@ -25,9 +25,9 @@ COMMAND_MODULES = [
     "fp8sim.commands.cast",  # cast
     "fp8sim.commands.conformance",  # conformance
     "fp8sim.commands.policies",  # policies
-    "fp8sim.training.commands",  # train, compare
-    "fp8sim.analysis.commands",  # analyze, replay
-    "fp8sim.analysis.demo",  # demo
+    "fp8sim.commands.train",  # train, compare
+    "fp8sim.commands.analyze",  # analyze, replay
+    "fp8sim.commands.demo",  # demo
 ]
 
 

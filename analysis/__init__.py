@@ -16,8 +16,9 @@ statistics), :mod:`.trace_summary` (a trace's recorded statistics), :mod:`.verdi
 verdicts of a trace), :mod:`.policy_replay`
 (policies over traces, the columns), :mod:`.status` (the ok / warning / critical rule),
 :mod:`.report` (tables, ``fail_on`` rules),
-:mod:`.json_output` (JSON files), :mod:`.plots` (PNG), :mod:`.commands` (``fp8sim analyze`` /
-``replay``), :mod:`.demo` (``fp8sim demo``).
+:mod:`.json_output` (JSON files), :mod:`.plots` (PNG), :mod:`.allreduce_replay` (the simulated
+FP8 all-reduce over a trace). The commands (``fp8sim analyze`` / ``replay`` / ``demo``) live in
+the CLI layer, :mod:`fp8sim.commands`.
 
 The names below are imported on first use (PEP 562): ``fp8sim --help`` registers the commands
 without loading numba.

@@ -44,7 +44,7 @@ def progress_bar(total: int, enabled: bool, unit: str):
 
 
 def _one_line(text: str) -> str:
-    from fp8sim.commands.output import one_line
+    from fp8sim.errors import one_line
 
     return one_line(text)
 

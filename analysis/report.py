@@ -135,7 +135,7 @@ def _escape(m: re.Match) -> str:
 
 def escape_cell(text: str) -> str:
     """``text`` for one line of a table: line breaks written ``\\n`` / ``\\r`` as the one-line
-    error messages write them (``fp8sim.commands.output.one_line``), a tab ``\\t``, the other
+    error messages write them (``fp8sim.errors.one_line``), a tab ``\\t``, the other
     :data:`_UNSAFE` characters ``\\xNN`` / ``\\uNNNN``. Unlike ``one_line`` nothing is stripped
     or cut: no part of a name is lost. JSON keeps the raw text."""
     return _UNSAFE.sub(_escape, text)

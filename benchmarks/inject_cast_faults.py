@@ -45,7 +45,7 @@ from fp8sim.training.data import load_corpus
 from fp8sim.training.model import GPTConfig
 from fp8sim.training.trainer import TrainConfig, Trainer
 
-#: the demo's default size (analysis/demo.py SIZES["default"])
+#: the demo's default size (fp8sim/commands/demo.py SIZES["default"])
 MODEL = GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64)
 BATCH, STEPS = 8, 200
 ROLES = ("activation", "weight", "grad_output")

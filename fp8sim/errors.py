@@ -19,7 +19,8 @@ import numbers
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
-__all__ = ["ArgumentError", "spelled_as", "expect_bool", "expect_int", "expect_real", "expect_str", "expect_names"]
+__all__ = ["ArgumentError", "spelled_as", "expect_bool", "expect_int", "expect_real", "expect_str", "expect_names",
+           "one_line"]
 
 
 class ArgumentError(ValueError):
@@ -110,3 +111,19 @@ def expect_names(value: Any, name: str) -> str | Sequence[str]:
     if isinstance(value, str) or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
         return value
     raise ArgumentError.about(name, f" must be a string or a list of strings, {_got(value)}")
+
+
+#: a message longer than this, over several lines, is cut to its first line
+_ONE_LINE_MAX = 400
+
+
+def one_line(text: str) -> str:
+    """An error message as one line: a short message over several lines (a file name with a
+    newline in it, say) keeps every part, its line breaks written ``\\n``; a long one (a
+    library's explanation) keeps its first line."""
+    text = text.strip()
+    if "\n" not in text and "\r" not in text:
+        return text
+    if len(text) <= _ONE_LINE_MAX:
+        return text.replace("\r", "\\r").replace("\n", "\\n")
+    return text.splitlines()[0]

@@ -16,15 +16,14 @@ from fp8sim import cli
 import fp8sim
 from fp8sim.scaling import scale_from_amax
 from fp8sim.trace import TraceWriter
-from fp8sim.training.allreduce_sim import (
+from fp8sim.allreduce_sim import (
     METHODS,
     REDUCTIONS,
     error_figures,
-    format_allreduce_report,
     global_amax,
-    replay_allreduce,
     simulate_allreduce,
 )
+from fp8sim.analysis.allreduce_replay import format_allreduce_report, replay_allreduce
 
 E4M3 = fp8sim.get_format("e4m3")
 NAN = float("nan")

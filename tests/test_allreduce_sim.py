@@ -9,14 +9,13 @@ import torch
 
 import fp8sim
 from fp8sim.trace import TraceWriter
-from fp8sim.training.allreduce_sim import (
+from fp8sim.allreduce_sim import (
     decode_codes,
-    format_allreduce_report,
-    replay_allreduce,
     ring_sum_codes,
     simulate_allreduce,
     sum_codes,
 )
+from fp8sim.analysis.allreduce_replay import format_allreduce_report, replay_allreduce
 
 E4M3 = fp8sim.get_format("e4m3")
 
@@ -185,3 +184,17 @@ def test_tensors_saved_by_some_ranks_only_are_named(tmp_path):
     assert res["steps"] == [1] and res["records"] == 2
     assert res["incomplete"] == [[3, "h.0.c_fc.weight_grad"], [3, "h.0.c_proj.weight_grad"]]
     assert "note: 2 (step, tensor) pairs saved by only some ranks left out" in format_allreduce_report(res)
+
+
+def test_the_old_module_path_still_resolves_with_a_warning():
+    import pytest
+
+    from fp8sim.allreduce_sim import sum_codes as core_sum
+    from fp8sim.analysis.allreduce_replay import replay_allreduce as moved
+
+    import fp8sim.training.allreduce_sim as old
+
+    with pytest.warns(DeprecationWarning, match="moved to fp8sim.allreduce_sim.sum_codes"):
+        assert old.sum_codes is core_sum
+    with pytest.warns(DeprecationWarning, match="fp8sim.analysis.allreduce_replay.replay_allreduce"):
+        assert old.replay_allreduce is moved

@@ -182,7 +182,7 @@ def test_keep_going_lists_bad_inputs(tmp_path):
     (dict(chunk=0), ("chunk",), "--chunk must be an integer >= 1, got 0"),
 ])  # fmt: skip
 def test_argument_errors_name_parameters(kwargs, names, flags):
-    from fp8sim.analysis.commands import ANALYZE_FLAGS
+    from fp8sim.commands.analyze import ANALYZE_FLAGS
 
     with pytest.raises(ArgumentError) as info:
         analyze(np.ones(4, np.float32), **kwargs)

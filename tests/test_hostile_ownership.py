@@ -157,7 +157,7 @@ def test_every_command_refuses_a_directory_another_process_writes(tmp_path, caps
 
 
 def test_a_demo_that_fails_part_way_lists_what_it_wrote(tmp_path, monkeypatch):
-    from fp8sim.analysis import demo
+    from fp8sim.commands import demo
 
     def fails(out, *a):
         (out / "runs").mkdir()

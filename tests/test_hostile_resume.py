@@ -30,7 +30,7 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def test_every_train_option_is_stored_and_restored_or_declared_transient(tmp_path, corpus):
-    from fp8sim.training import commands
+    from fp8sim.commands import train as commands
     from fp8sim.training.config import TrainConfig
     from fp8sim.training.run_dir import write_run_config
 

@@ -143,7 +143,7 @@ def test_the_graph_sees_the_packages_and_their_imports():
         assert m in g[MODULE], m
     assert "fp8sim.trace.layout" in g[MODULE]["fp8sim.trace.writer"]
     assert "fp8sim.trace" in g[MODULE]["fp8sim.analysis.policy_replay"]
-    assert "fp8sim.trace" in g[FUNCTION]["fp8sim.training.allreduce_sim"]
+    assert "fp8sim.trace" in g[FUNCTION]["fp8sim.analysis.allreduce_replay"]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
 
@@ -289,3 +289,47 @@ def test_the_numba_check_sees_a_violation(tmp_path, monkeypatch):
     real = _installed_modules()
     monkeypatch.setitem(globals(), "_installed_modules", lambda: {**real, "fp8sim.bad": bad})
     assert _numba_compiles() == ["fp8sim.bad:3"]
+
+
+#: the layers, bottom up (docs/design.md): a module imports only from its own layer and those
+#: below, at module level or inside a function
+LAYERS = ("core", "kernels", "backends", "training", "analysis", "cli")
+#: training and analysis are siblings: neither imports the other
+BELOW = {"core": {"core"}, "kernels": {"core", "kernels"}, "backends": {"core", "kernels", "backends"},
+         "training": {"core", "kernels", "backends", "training"},
+         "analysis": {"core", "kernels", "backends", "analysis"}, "cli": set(LAYERS)}  # fmt: skip
+#: modules outside fp8sim.backends that stand at the backends' level, and why
+BACKEND_LEVEL = {
+    "fp8sim.allreduce_sim": "encodes the ranks' gradients through a backend",
+    "fp8sim.conformance": "checks Triton's native cast (fp8sim.kernels.native_cast)",
+    "fp8sim.testing": "checks a user's kernel on the backends' edge cases",
+}
+
+
+def layer_of(module: str) -> str:
+    if module in ("fp8sim.cli", "fp8sim.__main__") or module.startswith("fp8sim.commands"):
+        return "cli"
+    if any(module == m or module.startswith(m + ".") for m in BACKEND_LEVEL):
+        return "backends"
+    for name in ("training", "analysis", "backends", "kernels"):
+        if module == f"fp8sim.{name}" or module.startswith(f"fp8sim.{name}."):
+            return name
+    return "core"
+
+
+def layering_violations(graph) -> list[str]:
+    return [f"{m} ({layer_of(m)}) imports {t} ({layer_of(t)}) [{kind}]"
+            for kind in (MODULE, FUNCTION) for m, targets in sorted(graph[kind].items())
+            for t in sorted(targets) if layer_of(t) not in BELOW[layer_of(m)]]  # fmt: skip
+
+
+def test_the_layers_import_downwards_only():
+    # core <- kernels <- backends <- training | analysis <- the CLI (every command and the demo)
+    assert layering_violations(import_graph()) == []
+
+
+def test_the_layering_check_sees_violations():
+    g = {MODULE: {"fp8sim.analysis.x": {"fp8sim.training.y"}, "fp8sim.scaling": set()},
+         FUNCTION: {"fp8sim.scaling": {"fp8sim.commands.train"}, "fp8sim.training.y": {"fp8sim.analysis.x"}}}
+    assert len(layering_violations(g)) == 3
+    assert layer_of("fp8sim.commands.demo") == "cli" and layer_of("fp8sim.testing.scaled") == "backends"

@@ -77,7 +77,7 @@ def test_the_wheel_has_one_top_level_name(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"fp8sim"}, sorted(tops)
     for must in ("fp8sim/cli.py", "fp8sim/__main__.py", "fp8sim/kernels/quantize.py",
-                 "fp8sim/analysis/commands.py", "fp8sim/training/trainer.py"):
+                 "fp8sim/analysis/api.py", "fp8sim/training/trainer.py"):
         assert must in names, must
     # the link fp8sim/cli.py -> ../cli.py is packed as the file itself
     assert zipfile.ZipFile(wheel).read("fp8sim/cli.py") == (ROOT / "cli.py").read_bytes()
@@ -91,7 +91,7 @@ def test_the_wheel_has_one_top_level_name(tmp_path):
                           timeout=600, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     run_env = {**env, "PYTHONPATH": str(site), "TRITON_INTERPRET": "1"}
-    code = ("import fp8sim, fp8sim.kernels.quantize, fp8sim.analysis.commands, fp8sim.cli; "
+    code = ("import fp8sim, fp8sim.kernels.quantize, fp8sim.analysis.api, fp8sim.cli; "
             "print(fp8sim.__file__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=run_env, cwd=tmp_path, timeout=300)
@@ -114,7 +114,7 @@ def foreign_packages(tmp_path):
 
 def test_foreign_top_level_packages_do_not_change_what_fp8sim_imports(foreign_packages):
     env = {**os.environ, "PYTHONPATH": str(foreign_packages), "TRITON_INTERPRET": "1"}
-    code = ("import fp8sim.kernels.quantize, fp8sim.analysis.commands, fp8sim.analysis.stats, "
+    code = ("import fp8sim.kernels.quantize, fp8sim.analysis.api, fp8sim.analysis.stats, "
             "fp8sim.backends.triton_backend; from fp8sim import cli; "
             "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in "
             f"{FOREIGN!r}))")

@@ -31,7 +31,7 @@ def test_demo_quick_writes_report_shows_progress_and_reruns(tmp_path, capsys, mo
     md = (out / "summary.md").read_text()
     assert "## Targets (measured)" in md and f"{e['max_rel_loss_diff']:.2e}" in md
     # it explains itself, and every file it names is there
-    from fp8sim.analysis.demo_report import named_files
+    from fp8sim.commands.demo_report import named_files
 
     assert md.index("## How to read this") < md.index("## Targets (measured)")
     for words in ("bf16 is the reference", "**Statuses**", "**Verdict words**", "**What-if rows.**"):
@@ -71,7 +71,7 @@ def test_demo_quick_writes_report_shows_progress_and_reruns(tmp_path, capsys, mo
     assert cli.main(["demo", "--quick", "--out", str(out)]) == 2
     assert "'plots/policies.png' changed since fp8sim wrote it" in capsys.readouterr().err
     (out / "plots" / "policies.png").unlink()
-    from fp8sim.analysis.demo import _clear_previous_report
+    from fp8sim.commands.demo import _clear_previous_report
 
     _clear_previous_report(out)  # what a rerun does first (the rest is the run above)
     assert "replaced the previous report" in capsys.readouterr().err
@@ -91,7 +91,7 @@ def test_demo_never_writes_into_a_directory_of_other_files(tmp_path, capsys):
 def test_the_report_lists_the_files_a_run_stopped_early_holds(tmp_path):
     """The default demo's emulator run stops after 50 of 200 steps: no run.json, no checkpoint
     yet. The report names what each run folder holds, nothing more."""
-    from fp8sim.analysis.demo_report import _run_files, named_files
+    from fp8sim.commands.demo_report import _run_files, named_files
 
     for run, files in (("full", ("config.json", "metrics.jsonl", "run.json", "checkpoint.pt")),
                        ("stopped", ("config.json", "metrics.jsonl"))):  # fmt: skip

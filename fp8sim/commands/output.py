@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Any, Sequence
 
+from fp8sim.errors import one_line  # noqa: F401 (here for the commands; defined in the core)
+
 __all__ = ["print_table", "print_json", "json_safe", "info", "one_line"]
 
 
@@ -46,17 +48,3 @@ def info(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-#: a message longer than this, over several lines, is cut to its first line
-_ONE_LINE_MAX = 400
-
-
-def one_line(text: str) -> str:
-    """An error message as one line: a short message over several lines (a file name with a
-    newline in it, say) keeps every part, its line breaks written ``\\n``; a long one (a
-    library's explanation) keeps its first line."""
-    text = text.strip()
-    if "\n" not in text and "\r" not in text:
-        return text
-    if len(text) <= _ONE_LINE_MAX:
-        return text.replace("\r", "\\r").replace("\n", "\\n")
-    return text.splitlines()[0]

@@ -12,7 +12,7 @@ The FP8 all-reduce (FP8-LM section 2.1) of the FP8 linears' weight gradients, pe
 3. every rank encodes ``encode(float32(g) * s)`` (E4M3, nearest even, saturating) to uint8 codes;
 4. reduce-scatter as ``all_to_all`` of the uint8 payload (padded to a multiple of N): each rank
    decodes the N copies of its chunk, sums them in float32 (exact: see
-   :func:`fp8sim.training.allreduce_sim.sum_codes`) and re-encodes the sum once;
+   :func:`fp8sim.allreduce_sim.sum_codes`) and re-encodes the sum once;
 5. ``all_gather`` of the uint8 chunks; the average gradient is ``decode(codes) * scale_inv`` with
    ``scale_inv = float32(float32(1 / s) / N)``.
 
@@ -39,7 +39,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from fp8sim.formats import get_format
-from fp8sim.training.allreduce_sim import decode_codes, sum_codes
+from fp8sim.allreduce_sim import decode_codes, sum_codes
 
 __all__ = ["GRAD_SCALINGS", "FP8_GRAD_SCOPES", "COMM_CATEGORIES", "ring_bytes", "CommCounter", "Fp8GradReducer"]
 

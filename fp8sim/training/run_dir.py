@@ -6,7 +6,7 @@ A run directory (``fp8sim train --out``) holds:
   keys: ``run_id`` (the run's identity, made when it begins: every checkpoint carries it, and a
   checkpoint of another run is refused) and ``options`` (what the command line stores besides the
   config so that ``--resume`` continues the run as it was asked for: ``--record``,
-  ``--save-every``, ``--nproc``, ...; see :data:`fp8sim.training.commands.RUN_OPTIONS`);
+  ``--save-every``, ``--nproc``, ...; see :data:`fp8sim.commands.train.RUN_OPTIONS`);
 * ``metrics.jsonl``: one row per step (:func:`read_metrics`);
 * ``checkpoint.pt`` (one process) or ``checkpoint/`` (data-parallel ranks);
 * ``run.json``: the summary, written when the run has run its last step (:func:`read_summary`).

@@ -127,7 +127,7 @@ class Trainer:
     ``recorder_factory(model)`` (optional) gives a recorder that gets
     ``begin_step(step)``/``end_step(step)``/``close()`` calls; see :func:`fp8sim.training.record`.
     ``run_options`` (optional): what config.json stores besides the config (the command line's
-    options, :data:`fp8sim.training.commands.RUN_OPTIONS`); None keeps those stored there.
+    options, :data:`fp8sim.commands.train.RUN_OPTIONS`); None keeps those stored there.
     ``run_id``: a fresh run's identity (default: a new one); a run that has begun keeps its own.
     """
 

@@ -10,7 +10,7 @@
 3. analyzes the FP8 trace (:func:`fp8sim.analysis.analyze`), replays scaling policies over it
    (:func:`fp8sim.analysis.replay`), and compares the runs (``fp8sim compare``);
 4. writes a report folder: ``summary.md`` (how to read it, targets measured, tables; see
-   :mod:`fp8sim.analysis.demo_report`), PNG plots, the runs and the traces.
+   :mod:`fp8sim.commands.demo_report`), PNG plots, the runs and the traces.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from fp8sim.analysis.demo_report import write_report
+from fp8sim.commands.demo_report import write_report
 from fp8sim.atomic_file import atomic_write, owned_dir
 
 __all__ = ["register", "run_demo", "run"]

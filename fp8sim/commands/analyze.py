@@ -331,7 +331,7 @@ def _run_te_log(args: argparse.Namespace) -> int:
 def _run_allreduce(args: argparse.Namespace) -> int:
     """``replay --allreduce N``: the simulated FP8 gradient all-reduce (no policies)."""
     from fp8sim.analysis.json_output import json_text, write_json
-    from fp8sim.training.allreduce_sim import format_allreduce_report, replay_allreduce
+    from fp8sim.analysis.allreduce_replay import format_allreduce_report, replay_allreduce
 
     if args.policy:
         raise ValueError("replay: --allreduce and --policy are separate replays; give one of them")
