@@ -27,6 +27,7 @@ COMMAND_MODULES = [
     "fp8sim.commands.policies",  # policies
     "fp8sim.training.commands",  # train, compare
     "fp8sim.analysis.commands",  # analyze, replay
+    "fp8sim.commands.merge",  # merge
     "fp8sim.analysis.demo",  # demo
 ]
 

@@ -203,6 +203,8 @@ def link_fp8_scales(dumps: list[Dump], mode: str, block: tuple[int, int] | None,
             continue
         notes += dump_notes
         taken += dump_taken
+    if mode == "apply":  # companions of weights in shards not given leave the files given too
+        taken += _taken_by_other_shards(files, bad, finder, block, configs)
     # a companion taken is not analyzed: no note of its own either (an FP8 companion's)
     names_taken = {(owner.path, comp.name) for owner, comp in taken}
     notes = [n for n in notes if (n["file"], n["name"]) not in names_taken]
@@ -211,6 +213,32 @@ def link_fp8_scales(dumps: list[Dump], mode: str, block: tuple[int, int] | None,
         owner.tensors = [t for t in owner.tensors if id(t) not in gone]
     dumps[:] = [d for d in dumps if id(d) not in bad]
     return notes
+
+
+def _taken_by_other_shards(files: list[Dump], bad: set[int], finder: CompanionFinder, block,
+                           configs: dict) -> list[tuple[Dump, TensorSource]]:
+    """The companions in ``files`` (the good ones) that weights of the other, not given, shards
+    of their shard sets take: those leave the files too, so a shard's tensors are analyzed the
+    same whichever shards of its checkpoint are given with it (what makes the results of one
+    shard list per machine merge into the result of one run, :mod:`fp8sim.analysis.merge`).
+    Those weights are linked on their own copies (nothing read but headers and NVFP4's
+    per-tensor scales); a weight that cannot be linked there takes nothing: it is not analyzed
+    here, and the run that analyzes it reports it."""
+    given = {id(d) for d in files if id(d) not in bad}
+    out, linked = [], set()
+    for d in files:
+        if id(d) not in given or d.kind == "memory":
+            continue
+        for other in finder.set_shards(d.path):
+            if id(other) in linked or id(other) in given or any(other is f for f in files):
+                continue
+            linked.add(id(other))
+            try:
+                _, took = _link_dump(other, "apply", block, finder, configs, census=False)
+            except ValueError:
+                continue
+            out += [(owner, comp) for owner, comp in took if id(owner) in given]
+    return out
 
 
 def _link_dump(dump: Dump, mode: str, block, finder: CompanionFinder, configs: dict,
