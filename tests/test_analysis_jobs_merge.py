@@ -130,7 +130,7 @@ def test_merge_refuses_parts_of_different_jobs(checkpoint, tmp_path):
     rc, _, err = cli("merge", tmp_path / "x.json", b)
     assert rc == 2 and "not an fp8sim analyze result: its 'run' is missing" in err
     rc, _, err = cli("merge", checkpoint, b)
-    assert rc == 2 and "a directory; merge takes fp8sim analyze --json results" in err
+    assert rc == 2 and "a directory without rank traces (rank0/, rank1/, ... each an fp8sim trace)" in err
     rc, _, err = cli("merge", b, "--json", b)
     assert rc == 2 and err.count("\n") == 1
 
