@@ -92,7 +92,14 @@ def stats_in_order(items: list[tuple[str, Any, Any]], variants: list, chunk: int
     ``dump``, which may show another, e.g. a run directory for its merged trace), in order: its
     :class:`~fp8sim.analysis.stats.TensorStats`, or the ValueError its data raised. ``jobs``:
     processes (1: this one only); ``link``: the ``(fp8_scales mode, block)`` the caller linked
-    the files with; ``progress(n)``: elements finished (as ``tensor_stats`` reports them)."""
+    the files with; ``progress(n)``: elements finished (as ``tensor_stats`` reports them).
+
+    A worker that dies (killed, out of memory) raises OSError naming the first tensor whose
+    result is lost (the pool is broken then: no figure of a dead worker is ever used); closing
+    the generator early (an error, an interrupt) stops the workers at once."""
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
     from fp8sim.analysis.stats import tensor_stats
 
     def here(src):
@@ -109,7 +116,10 @@ def stats_in_order(items: list[tuple[str, Any, Any]], variants: list, chunk: int
     ctx = mp.get_context("spawn")  # a clean process: no threads or locks inherited
     queue = ctx.Queue()
     n = min(jobs, len(in_files))
-    pool = ctx.Pool(n, _init, (variants, chunk, link[0], link[1], queue, _worker_threads(jobs)))
+    pool = ProcessPoolExecutor(n, ctx, initializer=_init,
+                               initargs=(variants, chunk, link[0], link[1], queue, _worker_threads(jobs)))  # fmt: skip
+    tasks = iter([(p, s.name, tuple(s.shape), s.dtype) for p, s in in_files])
+    pending: list = []  # futures in input order; at most 2 per worker ahead (results are small)
 
     def drain() -> None:
         while True:
@@ -118,22 +128,36 @@ def stats_in_order(items: list[tuple[str, Any, Any]], variants: list, chunk: int
             except Exception:  # queue.Empty
                 return
 
+    def top_up() -> None:
+        while len(pending) < 2 * n:
+            task = next(tasks, None)
+            if task is None:
+                return
+            pending.append((task, pool.submit(_run, task)))
+
+    done_cleanly = False
     try:
-        tasks = [(p, s.name, tuple(s.shape), s.dtype) for p, s in in_files]
-        results = pool.imap(_run, tasks)
+        top_up()
         for _, dump, src in items:
             if dump.kind == "memory":
                 yield here(src)
                 continue
-            while True:
-                try:
-                    res = results.next(timeout=_POLL_S)
-                    break
-                except mp.TimeoutError:
-                    drain()
+            task, fut = pending.pop(0)
+            while not fut.done():
+                wait([fut], timeout=_POLL_S, return_when=FIRST_COMPLETED)
+                drain()
             drain()
+            try:
+                res = fut.result()
+            except BrokenProcessPool:
+                raise OSError(f"a worker process of --jobs died (killed, or out of memory: fewer jobs need "
+                              f"less); first tensor not analyzed: {task[0]}: {task[1]}") from None  # fmt: skip
+            top_up()
             yield res
+        done_cleanly = True
     finally:
-        pool.terminate()
-        pool.join()
+        if not done_cleanly:  # stop the workers now, not after their current tensor
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
         queue.close()

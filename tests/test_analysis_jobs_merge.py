@@ -2,13 +2,17 @@
 scales sit in the next shard by the index, packed NVFP4 and MXFP4 weights, bfloat16, an int64
 tensor, an empty one, one holding inf, and a damaged .npz member read past with --keep-going),
 N worker processes give the one-process result byte for byte (JSON, table, messages, every PNG),
-and the results of two shard lists, merged, are the result of one run over all shards."""
+and the results of two shard lists, merged, are the result of one run over all shards. A worker
+killed mid-tensor is one error line, never a hang."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 
 import numpy as np
@@ -19,6 +23,7 @@ from safetensors.torch import save_file
 from fp8sim.analysis import analyze, merge_results
 from fp8sim.errors import ArgumentError
 from fp8sim.nvfp4 import pack_e2m1, quantize_nvfp4_2d
+from tests.sparse_checkpoint import nvfp4_entries, write_sparse_safetensors
 
 SHARDS = 4
 FAIL_ON = "overflow>0,amax>4"
@@ -144,3 +149,40 @@ def test_jobs_argument_is_checked(checkpoint, jobs):
 def test_jobs_flag_is_checked(checkpoint):
     rc, out, err = cli("analyze", shard(checkpoint, 1), "--jobs", "0")
     assert rc == 2 and out == "" and "--jobs must be an integer >= 1, got 0" in err and err.count("\n") == 1
+
+
+def _children(pid: int) -> list[int]:
+    """The process ids whose parent is ``pid`` (from /proc: Linux)."""
+    kids = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(d))
+    return kids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_a_killed_worker_is_an_error_not_a_hang(tmp_path):
+    for k in range(1, 5):  # 4 sparse NVFP4 shards of 256 M values: each worker is busy for seconds
+        write_sparse_safetensors(tmp_path / f"model-{k:05d}-of-00004.safetensors", nvfp4_entries(f"l{k}", 8192, 32768))
+    p = subprocess.Popen([sys.executable, "-m", "cli", "analyze", tmp_path, "--scales", "apply", "--jobs", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for _ in range(600):  # the workers started (spawned: a fresh interpreter each)
+            kids = [c for c in _children(p.pid) if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+            if len(kids) == 2 or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert len(kids) == 2
+        time.sleep(3)  # busy with their first tensors
+        os.kill(kids[0], signal.SIGKILL)
+        out, err = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("fp8sim analyze: error: a worker process of --jobs died (killed, or out of memory")
+    assert "first tensor not analyzed: " in err and not any(os.path.exists(f"/proc/{c}") for c in kids)
