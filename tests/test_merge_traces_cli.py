@@ -68,6 +68,9 @@ def test_merge_writes_the_library_merged_trace(tmp_path, capsys, monkeypatch):
 
     assert rc1 == rc2 and a["records"] and rows(a) == rows(b)
     assert [r["amax"] for r in a["records"]] == [r["amax"] for r in b["records"]]
+    # --jobs: the workers open the merged trace behind the run directory shown
+    rc3, _, _ = run(capsys, "analyze", "record", "--jobs", "2", "--json", "c.json")
+    assert rc3 == rc2 and (tmp_path / "c.json").read_bytes() == (tmp_path / "b.json").read_bytes()
 
 
 def test_merge_never_overwrites(tmp_path, capsys):
