@@ -21,7 +21,7 @@ per run, so start-up and the workers' spawn are included):
     python benchmarks/bench_checkpoint_scale.py big [--gb 20] [--shards 8] [--jobs 2]
 
 The files go to ``--dir`` (default: a temporary folder, removed at the end). Needs only
-fp8sim's base install.
+fp8sim's base install and this checkout (tests/sparse_checkpoint.py).
 """
 
 from __future__ import annotations
