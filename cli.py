@@ -27,6 +27,7 @@ COMMAND_MODULES = [
     "fp8sim.commands.policies",  # policies
     "fp8sim.commands.train",  # train, compare
     "fp8sim.commands.analyze",  # analyze, replay
+    "fp8sim.commands.merge",  # merge
     "fp8sim.commands.demo",  # demo
 ]
 

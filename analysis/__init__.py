@@ -12,7 +12,8 @@ From Python::
 Modules: :mod:`.api` (:func:`analyze`), :mod:`.replay_api` (:func:`replay`), :mod:`.results`,
 :mod:`.replay_result` and :mod:`.records`
 (what they return), :mod:`.dumps` (loading, FP8 companion scales), :mod:`.stats` (numba
-statistics), :mod:`.trace_summary` (a trace's recorded statistics), :mod:`.verdict` (per-layer
+statistics), :mod:`.jobs` (tensors in worker processes: ``jobs=N``), :mod:`.merge`
+(:func:`merge_results`: results of parts of one job, e.g. one per machine), :mod:`.trace_summary` (a trace's recorded statistics), :mod:`.verdict` (per-layer
 verdicts of a trace), :mod:`.policy_replay`
 (policies over traces, the columns), :mod:`.status` (the ok / warning / critical rule),
 :mod:`.report` (tables, ``fail_on`` rules),
@@ -34,6 +35,8 @@ from fp8sim.lazy_exports import lazy_attributes
 _EXPORTS = {
     "analyze": "fp8sim.analysis.api",
     "replay": "fp8sim.analysis.replay_api",
+    "merge_results": "fp8sim.analysis.merge",
+    "load_result": "fp8sim.analysis.merge",
     "AnalysisResult": "fp8sim.analysis.results",
     "ReplayResult": "fp8sim.analysis.replay_result",
     "Log2Histogram": "fp8sim.analysis.results",
@@ -54,6 +57,7 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from fp8sim.analysis.api import analyze
+    from fp8sim.analysis.merge import load_result, merge_results
     from fp8sim.analysis.replay_api import replay
     from fp8sim.analysis.records import (
         BadInput,

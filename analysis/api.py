@@ -11,6 +11,7 @@ raises ``ValueError`` naming the file, or, with ``keep_going=True``, is listed i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -100,8 +101,9 @@ def _checked_options(formats, scalings, margin, pow2, fail_on, thresholds, fp8_s
     return variants, rules, th, block
 
 
-def _open_inputs(inputs: Any, bad: Callable, errors: list) -> tuple[list, list[str], list[dict]]:
-    """(dumps, files read, notes): paths expanded (directories walked, each file once), arrays,
+def _open_inputs(inputs: Any, bad: Callable, errors: list) -> tuple[list, list[str], list[dict], list[str]]:
+    """(dumps, files read, notes, every file and in-memory input in order): paths expanded
+    (directories walked, each file once), arrays,
     tensors and mappings as in-memory dumps (``<input K>``, K their position in ``inputs``).
     ``bad(path, error)`` is called for a path that cannot be found or opened (it raises, or
     appends to ``errors``)."""
@@ -134,8 +136,10 @@ def _open_inputs(inputs: Any, bad: Callable, errors: list) -> tuple[list, list[s
         raise ValueError(f"no dump files found in {', '.join(os.fspath(x) for x in given)}")
     kept, notes = each_file_once(paths)  # noted, not analyzed twice
     to_open = set(kept)
-    dumps = []
+    dumps, reached = [], []
     for k, x in order:
+        if not isinstance(x, str) or x in to_open:
+            reached.append(x if isinstance(x, str) else f"<input {k}>")
         if not isinstance(x, str):
             dumps.append(memory_dump(x, f"<input {k}>"))
         elif x in to_open:
@@ -144,7 +148,16 @@ def _open_inputs(inputs: Any, bad: Callable, errors: list) -> tuple[list, list[s
                 dumps.append(open_dump(x))
             except ValueError as exc:
                 bad(x, exc)
-    return dumps, kept, notes
+    return dumps, kept, notes, reached
+
+
+def _in_input_order(items: list[dict], reached: list[str]) -> list[dict]:
+    """Notes or errors grouped by the input they are about, in input order (those about no
+    input analyzed -- a path given twice, a missing one -- first), each input's in the order
+    they came: a result is then the concatenation of the results over parts of its inputs, which
+    is what :func:`~fp8sim.analysis.merge_results` relies on."""
+    where = {p: i for i, p in enumerate(reached)}
+    return sorted(items, key=lambda x: where.get(x["file"], -1))
 
 
 def _histogram(st, file: str) -> Log2Histogram:
@@ -206,6 +219,7 @@ def analyze(
     fp8_block: str | None = None,
     keep_going: bool = False,
     chunk: int | None = None,
+    jobs: int = 1,
     progress: bool = False,
 ) -> AnalysisResult:
     """FP8 statistics of every float tensor in ``inputs`` under each format x scaling.
@@ -233,7 +247,10 @@ def analyze(
     ``stored`` (FP8 codes as they are) or ``apply`` (dequantized with their companion
     ``NAME_scale_inv`` / ``NAME_scale``; ``fp8_block`` ``"RxC"`` for block scales).
     ``keep_going``: a bad file or tensor is listed in ``result.errors`` instead of raising.
-    ``chunk``: elements read at a time (bounds memory). ``progress``: a bar on stderr.
+    ``chunk``: elements read at a time (bounds memory). ``jobs``: processes analyzing the
+    tensors of files (1: this one; N: N worker processes, each with bounded memory and 1/N of
+    the numba threads; the result is the same, bit for bit: :mod:`fp8sim.analysis.jobs`).
+    ``progress``: a bar on stderr.
     """
     from fp8sim.analysis.run_traces import merged_runs
     from fp8sim.analysis.te_log_summary import split_te_logs
@@ -248,6 +265,7 @@ def analyze(
     for name, value in (("what_if", what_if), ("allow_empty", allow_empty), ("keep_going", keep_going),
                         ("progress", progress)):  # fmt: skip
         expect_bool(value, name)
+    expect_int(jobs, "jobs", lowest=1)
     inputs, te_notes, te_paths = split_te_logs(inputs)
     if inputs is None:  # TE debug logs only: their statistics, said as notes
         return AnalysisResult(variants=tuple(variants), records=(), traces=(),
@@ -262,20 +280,20 @@ def analyze(
 
     opts = {"variants": variants, "rules": rules, "th": th, "block": block, "fp8_scales": fp8_scales,
             "explicit": explicit, "what_if": what_if, "allow_empty": allow_empty, "keep_going": keep_going,
-            "chunk": chunk, "progress": progress}  # fmt: skip
+            "chunk": chunk, "jobs": jobs, "progress": progress}  # fmt: skip
     with merged_runs(inputs, bad_run) as (inputs, shown, run_notes):
         return _analyze_opened(inputs, shown, te_notes + run_notes, run_errors, **opts)
 
 
 def _analyze_opened(inputs, shown, run_notes, run_errors, *, variants, rules, th, block, fp8_scales, explicit,
-                    what_if, allow_empty, keep_going, chunk, progress) -> AnalysisResult:  # fmt: skip
+                    what_if, allow_empty, keep_going, chunk, jobs, progress) -> AnalysisResult:  # fmt: skip
     """:func:`analyze` once its options are checked and run directories merged (``shown``: a
     merged trace's path -> the run directory shown for it; ``explicit``: formats or scalings
     were given)."""
     from fp8sim.analysis.dumps import FLOAT_DTYPES, link_fp8_scales
+    from fp8sim.analysis.jobs import stats_in_order
     from fp8sim.analysis.report import escape_cell, failures, sort_worst_first
     from fp8sim.analysis.status import classify
-    from fp8sim.analysis.stats import tensor_stats
     from fp8sim.analysis.trace_summary import summarize_trace
     from fp8sim.analysis.verdict import layer_verdicts
 
@@ -296,16 +314,21 @@ def _analyze_opened(inputs, shown, run_notes, run_errors, *, variants, rules, th
             raise ValueError(reason)
         errors.append({"file": path, "name": name, "reason": reason})
 
-    dumps, files, notes = _open_inputs(inputs, bad, errors)
+    dumps, files, notes, reached = _open_inputs(inputs, bad, errors)
+    opened = {}  # id(dump) -> the path a worker opens (a merged run's trace, not the run shown)
     for d in dumps:  # a merged run is shown as the run directory given
+        opened[id(d)] = d.path
         d.path = shown.get(d.path, d.path)
     files = [shown.get(f, f) for f in files]
+    reached = [shown.get(f, f) for f in reached]
     notes = run_notes + notes
     notes += link_fp8_scales(dumps, fp8_scales, block, bad)
     total = 2 * sum(t.numel for d in dumps for t in d.tensors if t.is_float)
     records: list[dict] = []
     traces, plot_items, verdicts = [], [], []
+    items = [(opened[id(d)], d, t) for d in dumps for t in d.tensors if t.is_float and t.numel]
     bar = progress_bar(total, progress, "elem")
+    results = stats_in_order(items, variants, chunk, jobs, (fp8_scales, block), bar.update)
     try:
         for dump in dumps:
             for name, reason in dump.skipped:
@@ -339,10 +362,9 @@ def _analyze_opened(inputs, shown, run_notes, run_errors, *, variants, rules, th
                     notes.append({"file": dump.path, "name": src.name,
                                   "note": f"empty tensor, shape {list(src.shape)}"})  # fmt: skip
                     continue
-                try:
-                    st = tensor_stats(src, variants, name=src.name, chunk=chunk, progress=bar.update)
-                except ValueError as exc:  # its data cannot be read: this tensor is bad (no
-                    bad(dump.path, exc, src.name)  # record), the file's others go on
+                st = next(results)
+                if isinstance(st, ValueError):  # its data cannot be read: this tensor is bad (no
+                    bad(dump.path, st, src.name)  # record), the file's others go on
                     continue
                 st.file = dump.path
                 wi = _saved_what_if(dump.trace, src.name)
@@ -353,10 +375,12 @@ def _analyze_opened(inputs, shown, run_notes, run_errors, *, variants, rules, th
                     records.append(rec)
                 plot_items.append(_histogram(st, dump.path))
     finally:
+        results.close()  # stops the workers (a bad tensor raised, or an interrupt)
         bar.close()
 
     records = sort_worst_first(records)
-    notes += scale_fallback_notes(records)
+    notes = _in_input_order(notes, reached) + scale_fallback_notes(records)
+    errors = _in_input_order(errors, reached)
     trace_rows = [r.to_dict() for t in traces for r in t.tensors]
     if not records and not trace_rows and not errors and not allow_empty:
         raise ValueError(_nothing_analyzed(files, dumps, notes))
@@ -374,6 +398,8 @@ def _analyze_opened(inputs, shown, run_notes, run_errors, *, variants, rules, th
         verdicts=tuple(verdicts),
         plot_items=tuple(plot_items),
         what_if=what_if,
+        settings={**dataclasses.asdict(th), "scales": fp8_scales,
+                  "fp8_block": None if block is None else f"{block[0]}x{block[1]}"},
     )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ is installed) and PNG plots (:meth:`plot`).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -20,6 +21,7 @@ from fp8sim.analysis.records import BadInput, Crossing, LayerVerdict, Note, Tens
 from fp8sim.analysis.report import FailRule, escape_cell, format_table, format_trace_table, sort_worst_first
 from fp8sim.analysis.trace_summary import TraceSummary, sort_worst_first_trace
 from fp8sim.errors import ArgumentError, expect_int
+from fp8sim.formats import get_format
 
 __all__ = ["AnalysisResult", "Log2Histogram"]
 
@@ -99,6 +101,8 @@ class AnalysisResult:
     #: whether the casts the run did not perform (``what_if`` rows) count in ``counts``, the
     #: verdict and the ``fail_on`` rules
     what_if: bool = False
+    #: the settings that shape the figures (JSON ``run``: thresholds, scales mode, fp8 block)
+    settings: dict = field(default_factory=dict, compare=False)
 
     @property
     def histograms(self) -> tuple[Log2Histogram, ...]:
@@ -178,7 +182,8 @@ class AnalysisResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object (docs/cli.md): variants, records, traces, notes, errors, summary,
-        what_if, fail_on, verdicts."""
+        what_if, fail_on, verdicts, run (the files read, the rules and settings: what
+        :func:`~fp8sim.analysis.merge_results` needs to merge results)."""
         return {
             "variants": [{"format": v.fmt.name, "scaling": v.scaling, "margin": v.margin,
                           "pow2": v.pow2} for v in self.variants],  # fmt: skip
@@ -190,7 +195,47 @@ class AnalysisResult:
             "what_if": {"rows": self.what_if_rows, "counted": self.what_if},
             "fail_on": [c.to_dict() for c in self.crossings],
             "verdicts": [v.to_dict() for v in self.verdicts],
+            "run": {"files": list(self.files),
+                    "fail_on": [{"metric": r.metric, "op": r.op, "value": r.value,
+                                 "percent": r.percent} for r in self.rules],
+                    **self.settings},  # fmt: skip
         }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> "AnalysisResult":
+        """The result a JSON object of :meth:`to_dict` describes (no histograms: they are not in
+        the JSON). A trace tensor's null ``amax`` with ``amax_nan_steps`` > 0 is NaN again.
+        Raises ValueError naming the first key that is missing or malformed."""
+        from fp8sim.analysis.stats import Variant
+
+        def part(key: str, build):
+            try:
+                return build(doc[key])
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise ValueError(f"not an fp8sim analyze result: its {key!r} is missing or "
+                                 f"malformed ({type(exc).__name__}: {exc})") from None  # fmt: skip
+
+        if not isinstance(doc, dict):
+            raise ValueError("not an fp8sim analyze result: not a JSON object")
+        run = part("run", dict)
+        variants = part("variants", lambda vs: tuple(
+            Variant(get_format(v["format"]), v["scaling"], v["margin"], v["pow2"]) for v in vs))
+        rules = part("run", lambda r: tuple(FailRule(**x) for x in r["fail_on"]))
+        traces = part("traces", lambda ts: tuple(TraceSummary(
+            t["path"], t["config"], tuple(_trace_record(x) for x in t["tensors"])) for t in ts))
+        return cls(
+            variants=variants,
+            records=part("records", lambda rs: tuple(TensorRecord.from_dict(r) for r in rs)),
+            traces=traces,
+            notes=part("notes", lambda ns: tuple(Note.from_dict(n) for n in ns)),
+            errors=part("errors", lambda es: tuple(BadInput.from_dict(e) for e in es)),
+            rules=rules,
+            crossings=part("fail_on", lambda cs: tuple(Crossing.from_dict(c) for c in cs)),
+            files=part("run", lambda r: tuple(str(f) for f in r["files"])),
+            verdicts=part("verdicts", lambda vs: tuple(LayerVerdict.from_dict(v) for v in vs)),
+            what_if=part("what_if", lambda w: w["counted"] is True),
+            settings={k: v for k, v in run.items() if k not in ("files", "fail_on")},
+        )  # fmt: skip
 
     def to_json(self, path: str | os.PathLike | None = None) -> str | None:
         """The JSON text (strict: non-finite numbers are ``null``), or, with ``path``, that text
@@ -271,3 +316,13 @@ class AnalysisResult:
                 by[v.verdict] = by.get(v.verdict, 0) + 1
             lines.append("verdicts: " + ", ".join(f"{n} {k}" for k, n in by.items()) + " (.verdicts, .table())")
         return "\n".join(lines)
+
+
+def _trace_record(d: dict[str, Any]) -> TraceTensorRecord:
+    """A trace tensor's record from JSON: a null amax with NaN steps is NaN (JSON has no NaN)."""
+    rec = TraceTensorRecord.from_dict(d)
+    if rec.amax is None and rec.amax_nan_steps > 0:
+        from dataclasses import replace
+
+        rec = replace(rec, amax=math.nan)
+    return rec

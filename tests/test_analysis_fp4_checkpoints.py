@@ -259,13 +259,33 @@ def test_malformed_nvfp4_companions_are_refused(tmp_path, change, message):
     assert rc == 2 and message in err and err.count("\n") == 1 and out == ""
 
 
-def test_uint8_with_a_non_e4m3_scale_is_not_read(tmp_path):
+def test_uint8_with_a_scale_neither_e4m3_nor_e8m0_is_not_read(tmp_path):
     f = tmp_path / "model.safetensors"
     save_file({"l.weight_packed": torch.zeros(4, 16, dtype=torch.uint8),
-               "l.weight_scale": torch.full((4, 1), 127, dtype=torch.uint8),  # MXFP4: E8M0 exponents
+               "l.weight_scale": torch.ones(4, 1, dtype=torch.float16),  # an INT4 checkpoint's scales
                "mask.weight": torch.ones(3, dtype=torch.uint8)}, str(f))  # fmt: skip
     t, notes, errors = linked(f)
     assert not errors and t["l.weight_packed"].dtype == "uint8" and "l.weight_scale" in t
     (note,) = [n["note"] for n in notes if n["name"] == "l.weight_packed"]
-    assert "has dtype uint8, not float8_e4m3fn" in note
+    assert "has dtype float16, not float8_e4m3fn (NVFP4) nor E8M0 (MX)" in note
     assert not [n for n in notes if n["name"] == "mask.weight"]  # no companion: an ordinary uint8
+
+
+def test_empty_packed_weight_is_an_empty_tensor_not_a_bad_file(tmp_path):
+    """A packed NVFP4 weight (4, 0) with its (4, 0) block scale is an empty tensor: noted as
+    such, the file's other tensors analyzed, with or without --keep-going (it once refused the
+    whole file)."""
+    f = tmp_path / "model.safetensors"
+    save_file({"l.weight_packed": torch.zeros(4, 0, dtype=torch.uint8),
+               "l.weight_scale": torch.zeros(4, 0, dtype=torch.float8_e4m3fn),
+               "l.weight_global_scale": torch.ones(1),
+               "other": torch.linspace(-1, 1, 64)}, str(f))  # fmt: skip
+    t, notes, errors = linked(f)
+    assert not errors and t["l.weight_packed"].shape == (4, 0) and t["l.weight_packed"].numel == 0
+    for extra in ([], ["--keep-going"]):
+        rc, out, err = analyze(f, "--scales", "apply", "--format", "e4m3", "--json", "-", *extra)
+        doc = json.loads(out)
+        assert rc == 0 and not doc["errors"], err
+        assert [r["name"] for r in doc["records"]] == ["other"]
+        assert {"file": str(f), "name": "l.weight_packed", "note": "empty tensor, shape [4, 0]"} \
+            in doc["notes"]  # fmt: skip

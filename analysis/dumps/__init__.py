@@ -2,8 +2,9 @@
 which files are read (:mod:`.inputs`), the containers (:mod:`.core`: .npy, .npz, traces and the
 dispatch; :mod:`.safetensors_reader`, :mod:`.torch_reader`; strided copies in :mod:`.strided`),
 FP8 tensors dequantized with their companion scales (:mod:`.fp8_scales`, whose lookups are in
-:mod:`.fp8_companions`), packed NVFP4 weights with their two scales too (:mod:`.fp4_scales`), and
-arrays or tensors already in memory (:mod:`.in_memory`).
+:mod:`.fp8_companions`), packed NVFP4 weights with their two scales too (:mod:`.fp4_scales`), MX
+weights with their E8M0 scales (:mod:`.mx_scales`), the scale grids read per chunk
+(:mod:`.scale_grids`), and arrays or tensors already in memory (:mod:`.in_memory`).
 """
 
 from fp8sim.analysis.dumps.core import (

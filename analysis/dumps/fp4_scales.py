@@ -41,9 +41,10 @@ import numpy as np
 
 from fp8sim.analysis.dumps.core import Dump, TensorSource
 from fp8sim.analysis.dumps.fp8_companions import CompanionFinder
-from fp8sim.nvfp4 import NVFP4_BLOCK, block_decode_scale
+from fp8sim.analysis.dumps.scale_grids import NVFP4Grid
+from fp8sim.nvfp4 import NVFP4_BLOCK
 
-__all__ = ["E2M1_DTYPE", "PackedE2M1", "NVFP4Companions", "nvfp4_companions", "nvfp4_block_factors"]
+__all__ = ["E2M1_DTYPE", "PackedCodes", "PackedE2M1", "NVFP4Companions", "nvfp4_companions", "nvfp4_grid"]
 
 #: dtype name of a dequantized NVFP4 weight's elements (the unpacked ``float4_e2m1fn_x2``)
 E2M1_DTYPE = "float4_e2m1fn"
@@ -52,32 +53,54 @@ _PACKED = "_packed"
 
 
 @dataclass
-class PackedE2M1(TensorSource):
-    """The E2M1 values of a packed uint8 tensor (``base``), two codes per byte, low nibble first:
-    logical shape ``(..., 2 * K)`` for a packed ``(..., K)``; :meth:`read` gives float32."""
+class PackedCodes(TensorSource):
+    """The values of narrow-float codes packed into a uint8 tensor (``base``), ``per_group``
+    codes in ``group_bytes`` bytes, in flat order; subclasses give the element format
+    (:attr:`FORMAT`) and :meth:`unpack`. :meth:`read` gives float32."""
 
     base: TensorSource = field(repr=False, default=None)
+    FORMAT = ""
+    PER_GROUP, GROUP_BYTES = 1, 1
 
     @property
     def is_float(self) -> bool:
         return True
 
+    @classmethod
+    def unpack(cls, raw: np.ndarray) -> np.ndarray:
+        """uint8 codes of whole groups of bytes ``raw``, in element order."""
+        raise NotImplementedError
+
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Elements ``[start, stop)`` of the flat unpacked tensor, as float32 E2M1 values."""
+        """Elements ``[start, stop)`` of the flat unpacked tensor, as float32 values."""
         from fp8sim.emulator import decode_table
 
         start, stop = max(0, int(start)), min(self.numel, int(stop))
         if stop <= start:
             return np.zeros(0, np.float32)
-        lo, hi = start // 2, -(-stop // 2)
+        g0, g1 = start // self.PER_GROUP, -(-stop // self.PER_GROUP)
         try:
-            raw = np.asarray(self.base.read_raw(lo, hi)).view(np.uint8)
+            raw = self.base.read_raw(g0 * self.GROUP_BYTES, g1 * self.GROUP_BYTES)
         except ValueError:
             raise
         except Exception as exc:  # OS errors while streaming
             raise ValueError(f"{self.file}: cannot read {self.base.name}: {exc}") from None
-        codes = np.stack([raw & np.uint8(0xF), raw >> np.uint8(4)], axis=-1).reshape(-1)
-        return decode_table("e2m1", np.float32)[codes[start - 2 * lo : stop - 2 * lo]]
+        codes = self.unpack(np.asarray(raw).view(np.uint8))
+        first = g0 * self.PER_GROUP
+        return decode_table(self.FORMAT, np.float32)[codes[start - first : stop - first]]
+
+
+@dataclass
+class PackedE2M1(PackedCodes):
+    """E2M1 codes two per byte, low nibble first (``torch.float4_e2m1fn_x2``): logical shape
+    ``(..., 2 * K)`` for a packed ``(..., K)``."""
+
+    FORMAT = "e2m1"
+    PER_GROUP, GROUP_BYTES = 2, 1
+
+    @classmethod
+    def unpack(cls, raw: np.ndarray) -> np.ndarray:
+        return np.stack([raw & np.uint8(0xF), raw >> np.uint8(4)], axis=-1).reshape(-1)
 
 
 @dataclass
@@ -125,7 +148,8 @@ def nvfp4_companions(src: TensorSource, dump: Dump, finder: CompanionFinder):
     block_owner, block = found
     if block.dtype != _E4M3:
         return (f"uint8 tensor not read: its companion {block.name} has dtype {block.dtype}, not "
-                f"{_E4M3} (only NVFP4 packed weights are dequantized)")  # fmt: skip
+                f"{_E4M3} (NVFP4) nor E8M0 (MX): only NVFP4 and MX packed weights are "
+                "dequantized")  # fmt: skip
     found = _found(finder, src, dump, tensor_name)
     if found is None:
         raise ValueError(f"has the NVFP4 block scale {block.name} but no {tensor_name} (its "
@@ -137,11 +161,12 @@ def nvfp4_companions(src: TensorSource, dump: Dump, finder: CompanionFinder):
     return NVFP4Companions(library, block, block_owner, tensor, tensor_owner)
 
 
-def nvfp4_block_factors(src: TensorSource, comp: NVFP4Companions) -> tuple[tuple[int, ...], np.ndarray]:
-    """(logical shape ``(..., M, 2 * K)``, float32 block factors as a (leading dims x M,
-    ceil(N / 16)) grid) of a packed weight ``src`` of shape ``(..., M, K)``: ``float32(b / G)``
-    (compressed-tensors) or ``float32(b * scale_2)`` (ModelOpt). Raises ValueError
-    ``"<what is wrong>"`` for shapes that do not fit."""
+def nvfp4_grid(src: TensorSource, comp: NVFP4Companions) -> tuple[tuple[int, ...], NVFP4Grid]:
+    """(logical shape ``(..., M, 2 * K)``, the :class:`~.scale_grids.NVFP4Grid` of its float32
+    block factors over (leading dims x M, ceil(N / 16))) of a packed weight ``src`` of shape
+    ``(..., M, K)``: ``float32(b / G)`` (compressed-tensors) or ``float32(b * scale_2)``
+    (ModelOpt), decoded per chunk. Raises ValueError ``"<what is wrong>"`` for shapes that do
+    not fit."""
     if len(src.shape) < 2:
         raise ValueError(f"is a packed NVFP4 weight of shape {list(src.shape)}; at least 2-D "
                          "(rows, packed columns) expected")  # fmt: skip
@@ -158,11 +183,8 @@ def nvfp4_block_factors(src: TensorSource, comp: NVFP4Companions) -> tuple[tuple
         per = f" or {n_lead} (one per leading index {list(lead)})" if lead else ""
         raise ValueError(f"has the per-tensor scale {comp.tensor.name} of shape "
                          f"{list(comp.tensor.shape)}; expected one element{per}")  # fmt: skip
-    from fp8sim.emulator import decode_table
-
-    codes = np.asarray(comp.block.read_raw(0, comp.block.numel)).view(np.uint8)
-    b = decode_table("e4m3", np.float32)[codes].reshape(max(n_lead, 1), -1)  # (lead, M * groups)
-    t = np.asarray(comp.tensor.read_all(), np.float32).reshape(-1)
+    t = np.asarray(comp.tensor.read_all(), np.float32).reshape(-1)  # one per leading index
     variant = "compressed-tensors" if comp.library == "compressed-tensors" else "torchao"
-    rows = [block_decode_scale(b[i], t[i if t.size > 1 else 0], variant) for i in range(b.shape[0])]
-    return shape, np.concatenate(rows).reshape(-1, want[-1]).astype(np.float32)
+    grid = NVFP4Grid(n_lead * m, want[-1], np.float32, block=comp.block, tensor_scales=t,
+                     per_lead=max(1, m * want[-1]), variant=variant)  # fmt: skip
+    return shape, grid

@@ -207,6 +207,33 @@ class CompanionFinder:
             return [os.path.join(d, f) for f, _ in same], None, {}, missing
         return [], None, {}, []
 
+    def set_shards(self, path: str) -> list[Dump]:
+        """The other shards of ``path``'s shard set that can be opened (headers only; the
+        index's files, else the set's files in its directory), as dumps: ``[]`` for a file that
+        is no shard. Shards that cannot be read are left out (their weights are not looked at)."""
+        for where in (os.path.abspath(path), os.path.realpath(path)):
+            d, base = os.path.split(where)
+            m = _SHARD.match(base)
+            if m is None:
+                continue
+            wmap = self._index(os.path.join(d, f"{m['prefix']}.{m['ext']}.index.json"))
+            if wmap is not None:
+                names = sorted({f for f in wmap.values() if os.path.basename(f) == f})
+            else:
+                key = (m["prefix"], m["total"], m["ext"])
+                names = [f for f in sorted(os.listdir(d)) if (s := _SHARD.match(f))
+                         and (s["prefix"], s["total"], s["ext"]) == key]  # fmt: skip
+            here = os.path.realpath(path)
+            out = []
+            for f in names:
+                p = os.path.join(d, f)
+                if os.path.realpath(p) != here and os.path.isfile(p):
+                    dump = self._dump(p)
+                    if dump is not None:
+                        out.append(dump)
+            return out
+        return []
+
     def find(self, src: TensorSource, dump: Dump, names: list[str] | None = None):
         """(owner dump, companion source or the (name, reason) its dump skipped it with), or
         None. ``names``: the companion's possible names (default: the FP8 spellings

@@ -115,12 +115,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default="stored",
                    help="quantized checkpoint tensors with companion scales -- FP8 with "
                         "NAME_scale_inv / NAME_scale, packed NVFP4 (uint8) with its E4M3 block scale "
-                        "and float32 global scale (compressed-tensors, ModelOpt): analyze them as "
+                        "and float32 global scale (compressed-tensors, ModelOpt), MX (MXFP4/6/8 "
+                        "with E8M0 scales per 32; gpt-oss _blocks/_scales): analyze them as "
                         "stored (default) or as the values dequantized with their scales "
                         "(--fp8-scales: the same)")  # fmt: skip
     p.add_argument("--fp8-block", metavar="RxC",
                    help="block shape of block scales (default: the checkpoint's config.json "
                         "weight_block_size, else 128x128)")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="worker processes analyzing the files' tensors, each with bounded memory "
+                        "and 1/N of the threads; the result is the same as with 1 (default 1)")  # fmt: skip
     p.add_argument("--chunk", type=int, default=1 << 20, help=argparse.SUPPRESS)
     p.set_defaults(func=run_analyze)
 
@@ -164,7 +168,8 @@ ANALYZE_FLAGS = {"formats": "--format", "scalings": "--scaling", "margin": "--ma
                  "fail_on": "--fail-on", "underflow_warning": "--underflow-warning",
                  "underflow_critical": "--underflow-critical", "overflow_warning": "--overflow-warning",
                  "overflow_critical": "--overflow-critical", "fp8_scales": "--scales",
-                 "fp8_block": "--fp8-block", "chunk": "--chunk", "top": "--top", "path": "--json",
+                 "fp8_block": "--fp8-block", "chunk": "--chunk", "jobs": "--jobs", "top": "--top",
+                 "path": "--json",
                  "directory": "--plot"}  # fmt: skip
 REPLAY_FLAGS = {"policies": "--policy", "fail_on": "--fail-on", "path": "--json",
                 "directory": "--plot", "by": "--by"}  # fmt: skip
@@ -221,7 +226,7 @@ def run_analyze(args: argparse.Namespace) -> int:
             overflow_critical=args.overflow_critical, what_if=args.what_if, allow_empty=args.allow_empty,
             fp8_scales=args.scales,
             fp8_block=args.fp8_block, keep_going=args.keep_going, chunk=args.chunk,
-            progress=args.json is None and sys.stderr.isatty(),
+            jobs=args.jobs, progress=args.json is None and sys.stderr.isatty(),
         )  # fmt: skip
         _write_json(result, args.json)
         if plot_dir is not None:

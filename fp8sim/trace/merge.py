@@ -125,18 +125,20 @@ def _check_alike(readers: list[TraceReader], dirs: list[Path]) -> None:
 
 def merge_rank_traces(run_dir: str | os.PathLike, dest: str | os.PathLike) -> Path:
     """Write the merged trace of the rank traces in ``run_dir`` (see the module docstring) to
-    the new directory ``dest`` (refused if it exists); returns ``dest``. The merged trace is
-    built next to ``dest`` and moved into place whole.
+    the new directory ``dest`` (refused if anything, a link included, is there; its folder
+    must exist); returns ``dest``. The merged trace is built next to ``dest`` and moved into
+    place whole: ``dest`` is claimed first (an empty directory made there), so a ``dest`` made
+    meanwhile by another process is never replaced, and an interrupted merge leaves nothing.
 
-    Raises ValueError when ``run_dir`` holds no rank traces, when the ranks disagree on what
-    they recorded (tensors, steps, records per step, formats) or a replicated tensor differs
-    between ranks."""
+    Raises ValueError when ``run_dir`` holds no rank traces, when ``dest`` exists, lies inside
+    one of the rank traces or is named like one (``run_dir/rankN``: the run would gain a rank),
+    when the ranks disagree on what they recorded (tensors, steps, records per step, formats) or
+    a replicated tensor differs between ranks."""
     dirs = rank_trace_dirs(run_dir)
     if dirs is None:
         raise ValueError(f"{run_dir}: no rank traces (rank0/, rank1/, ... each an fp8sim trace)")
     dest = Path(dest)
-    if dest.exists():
-        raise ValueError(f"{dest}: exists; the merged trace goes to a new directory")
+    _check_dest(Path(run_dir), dest)
     readers = [TraceReader(d) for d in dirs]
     _check_alike(readers, dirs)
     r0 = readers[0]
@@ -149,7 +151,7 @@ def merge_rank_traces(run_dir: str | os.PathLike, dest: str | os.PathLike) -> Pa
     place = {t.name: placement_of(r0, t.name) for t in r0.tensors}
     config = {k: v for k, v in r0.config.items() if k not in ("rank", "world")}
     config["merged"] = {"from": str(run_dir), "ranks": len(dirs)}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent if dest.parent.exists() else None))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         w = TraceWriter(tmp / "trace", config, overwrite=True, chunk_steps=int(r0.meta["chunk_steps"]),
                         hist_mantissa_bits=r0.hist_mantissa_bits, rounding=r0.rounding)  # fmt: skip
@@ -195,10 +197,34 @@ def merge_rank_traces(run_dir: str | os.PathLike, dest: str | os.PathLike) -> Pa
         np.savez(tmp / "trace" / RANK_SCALES, step=np.asarray(rows_step, np.int64),
                  tensor=np.asarray(rows_tensor, np.int64),
                  scales=np.asarray(rows_scales, np.float64).reshape(len(rows_step), len(dirs)))  # fmt: skip
-        os.replace(tmp / "trace", dest)
+        try:
+            os.mkdir(dest)  # the claim: fails if dest appeared meanwhile
+        except FileExistsError:
+            raise ValueError(f"{dest}: exists; the merged trace goes to a new directory") from None
+        try:
+            os.replace(tmp / "trace", dest)  # over our own empty directory
+        except BaseException:
+            os.rmdir(dest)
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _check_dest(run_dir: Path, dest: Path) -> None:
+    """ValueError unless ``dest`` is a new path whose folder exists, outside the rank traces."""
+    if os.path.lexists(dest):
+        raise ValueError(f"{dest}: exists; the merged trace goes to a new directory")
+    parent = dest.parent
+    if not parent.is_dir():
+        raise ValueError(f"{dest}: its folder {parent} does not exist")
+    inside = Path(os.path.realpath(parent)) / dest.name
+    run = Path(os.path.realpath(run_dir))
+    if inside.is_relative_to(run):
+        first = inside.relative_to(run).parts[0]
+        if _RANK_DIR.match(first):
+            raise ValueError(f"{dest}: inside the run's rank traces (or named like one, {first}); "
+                             "the merged trace goes outside them")  # fmt: skip
 
 
 def _merged_tensor(readers, dirs, step: int, name: str, placement: str):
