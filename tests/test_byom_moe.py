@@ -267,3 +267,18 @@ def test_mixtral_gradient_checkpointing_with_two_forwards_gives_the_same_gradien
     for a, b in zip(g_ref, g):
         assert a.keys() == b.keys() and "lm.model.layers.1.mlp.experts.down_proj" in a
         assert [n for n in a if not torch.equal(a[n], b[n])] == []
+
+
+def test_every_experts_implementation_the_fp8_forward_replaces_gives_the_same_result_and_others_are_refused():
+    model = convert_to_fp8(_tiny_moe("mixtral"), "te-current").eval()  # eval: nothing observed, the scales stay
+    assert model.config._experts_implementation == "grouped_mm"  # a Mixtral from a config
+    x = tokens(1, batch=2, seq=8)
+    out = {}
+    for impl in ("grouped_mm", "eager", "batched_mm"):
+        model.set_experts_implementation(impl)
+        out[impl] = model(x).logits
+    assert torch.equal(out["eager"], out["grouped_mm"]) and torch.equal(out["batched_mm"], out["grouped_mm"])
+    model.config._experts_implementation = "deepgemm"  # set_experts_implementation would check the hardware first
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: experts_implementation='deepgemm'; fp8sim's FP8 "
+                                         r"experts replace eager, batched_mm, grouped_mm"):
+        model(x)

@@ -296,6 +296,9 @@ class _Fp8ExpertsMixin:
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         impl = self.config._experts_implementation or "grouped_mm"
+        if impl not in SUPPORTED_IMPLEMENTATIONS:
+            raise ValueError(f"{self.fp8_name}: experts_implementation={impl!r}; fp8sim's FP8 experts replace "
+                             f"{', '.join(i for i in SUPPORTED_IMPLEMENTATIONS if i)} (set one of those)")
         return experts_interface().get_interface(impl, None)(self, hidden_states, top_k_index, top_k_weights)
 
     def tensor_names(self) -> set[str]:
