@@ -120,3 +120,20 @@ def test_rank_traces_merge_when_an_expert_is_idle_on_one_rank_only(tmp_path):
     assert _same(x2, readers[1].record(1, "experts.down_proj.2.input"))
     x1 = merged.record(1, "experts.down_proj.1.input")
     assert x1.numel == sum(r.record(1, "experts.down_proj.1.input").numel for r in readers)
+
+
+def test_experts_left_in_high_precision_are_named_in_one_warning(tmp_path):
+    from tests.test_byom_moe import _tiny_moe
+
+    plain = _tiny_moe("mixtral")
+    with pytest.warns(UserWarning, match=r"record: 2 MoE experts modules run in high precision and are not recorded "
+                                         r"\(first: model.layers.0.mlp.experts\)"):
+        record(plain, tmp_path / "plain").close()
+    kept = convert_to_fp8(_tiny_moe("mixtral"), "te-delayed", module_filter_fn=lambda m, fqn: "experts" not in fqn)
+    with pytest.warns(UserWarning, match="2 MoE experts modules"):
+        record(kept, tmp_path / "kept").close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FP8 experts are recorded: no warning
+        record(convert_to_fp8(_tiny_moe("mixtral"), "te-delayed"), tmp_path / "fp8").close()
