@@ -126,7 +126,9 @@ def test_grouped_experts_equal_a_loop_of_per_expert_fp8_linears_bit_for_bit(reci
     assert is_fp8_experts(model.experts) and isinstance(ref.experts["down_proj"][0], Fp8Linear)
     seen = []
     get_fp8_state(model).expert_taps.append(lambda name, role, x, cast, scale, op, expert: seen.append((name, expert)))
-    for step in (1, 2):  # the second step's delayed scales come from the first
+    # the second step's delayed scales come from the first; Triton in its CPU interpreter is
+    # slow, and te-current has no state across steps: one step there
+    for step in (1,) if backend == "triton" else (1, 2):
         x, idx, w = _routing(step)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         ya, yb = model(xa, idx, w), ref(xb, idx, w)
