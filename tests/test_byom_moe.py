@@ -284,3 +284,33 @@ def test_every_experts_implementation_the_fp8_forward_replaces_gives_the_same_re
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: experts_implementation='deepgemm'; fp8sim's FP8 "
                                          r"experts replace eager, batched_mm, grouped_mm"):
         model(x)
+
+
+def test_torch_compile_of_an_fp8_mixtral_is_one_graph_and_trains_as_eager_bit_for_bit():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    tf = transformers()
+
+    def run(counter):
+        torch.manual_seed(0)
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(
+            vocab_size=128, hidden_size=D, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=F, num_local_experts=E, num_experts_per_tok=K)).train()
+        convert_to_fp8(model, "te-delayed")
+        fwd = torch.compile(model, backend=counter) if counter else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        for step in (1, 2):  # the second step casts with the first step's delayed scales
+            x = tokens(step, batch=2, seq=8)
+            loss = fwd(x, labels=x).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses, [p.detach().clone() for p in model.parameters()], get_fp8_state(model).state_dict()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    (la, pa, sa), (lb, pb, sb) = run(None), run(counter)
+    assert counter.frame_count == 1  # no graph break (the experts' token counts have a static shape)
+    assert all(torch.equal(a, b) for a, b in zip(la, lb)) and all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert sa == sb

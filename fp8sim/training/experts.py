@@ -258,7 +258,10 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     expert_ids = top_k_index.reshape(-1)  # (S,), S = T * k
     expert_ids_g, perm = torch.sort(expert_ids, stable=True)  # by expert, tokens in order within one
     x = hidden_states[perm // num_top_k]  # (S, hidden)
-    counts = torch.bincount(expert_ids_g, minlength=self.num_experts)  # (E,)
+    # (E,) rows per expert; scatter_add, not bincount, whose output shape depends on the data
+    # (a graph break under torch.compile)
+    counts = torch.zeros(self.num_experts, dtype=torch.int64, device=expert_ids.device).scatter_add_(
+        0, expert_ids, torch.ones_like(expert_ids, dtype=torch.int64))
     (up, up_bias), (down, down_bias) = experts_projections(self)
     h = grouped_linear(self, up, up_bias, x, counts)  # (S, 2 * ffn) or (S, ffn)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)  # (S, ffn)
