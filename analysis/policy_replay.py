@@ -286,6 +286,8 @@ def replay_policies(
     fmts: dict[str, object] = {}
 
     for rec in reader.records():
+        if rec.numel == 0:  # an idle MoE expert's step: nothing was cast, no policy observed it
+            continue
         fmt = fmts.get(rec.format) or fmts.setdefault(rec.format, get_format(rec.format))
         finite = rec.numel - rec.nan - rec.inf
         nonzero = finite - rec.zero

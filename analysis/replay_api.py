@@ -120,7 +120,9 @@ def _replay_reader(reader, shown: str, specs: list, include_recorded: bool, what
     from fp8sim.analysis.policy_replay import replay_policies
     from fp8sim.scaling_config import parse_scaling, scaling_spec
 
-    n_records = int(reader.scalars()["step"].size)
+    sc = reader.scalars()
+    live = sc["numel"] > 0  # an idle MoE expert's empty record is not replayed (nothing was cast)
+    n_records = int(live.sum())
     # one per policy, however often it is spelled (replay_policies replays it once)
     n_pol = len({scaling_spec(*parse_scaling(p)) for p in specs}) + (1 if include_recorded else 0)
     from fp8sim.analysis.api import progress_bar
@@ -134,7 +136,7 @@ def _replay_reader(reader, shown: str, specs: list, include_recorded: bool, what
     hypo = {t.index for t in reader.tensors if t.what_if}
     left_out = 0
     if hypo and not what_if:
-        tensor_col = reader.scalars()["tensor"]
+        tensor_col = sc["tensor"][live]
         left_out = int(np.isin(tensor_col, sorted(hypo)).sum())
         replays = _performed_only(replays, hypo, left_out)
         n_records -= left_out

@@ -76,6 +76,9 @@ def summarize_trace(path: str, reader: Any, th: Thresholds = Thresholds()) -> Tr
     """The summary of the trace ``reader`` (a :class:`fp8sim.trace.TraceReader`) at ``path``,
     each tensor classified with ``th``. Raises ValueError for a corrupt chunk."""
     sc = reader.scalars()
+    # records of 0 elements (a MoE expert no token was routed to: nothing was cast) hold no
+    # values: no step of the tensor's statistics, no underflow
+    sc = {c: v[sc["numel"] > 0] for c, v in sc.items()}
     tens, step, numel, nan, inf, zero, over, under = _per_step(
         sc["tensor"], sc["step"], sc["numel"], sc["nan"], sc["inf"], sc["zero"], sc["overflow"],
         sc["underflow"])  # fmt: skip

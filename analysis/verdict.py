@@ -147,6 +147,8 @@ def layer_verdicts(path: str, reader: Any, th: Thresholds = Thresholds(), *,
     fmts: dict[str, Any] = {}
     per: dict[int, list] = {}
     for rec in reader.records():
+        if rec.numel == 0:  # an idle MoE expert's step: nothing was cast
+            continue
         per.setdefault(reader.tensor(rec.name).index, []).append(rec)
     saved: dict[str, list[int]] = {}
     for step, name in reader.saved_tensors():

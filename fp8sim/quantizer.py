@@ -207,7 +207,7 @@ class Quantizer:
 
     # -- casting -----------------------------------------------------------------------------------
     def quantize(self, name: str, x: Any, *, observe: bool = True, scale: float | None = None,
-                 seed: int | None = None, wgrad: bool = False) -> QuantizedTensor:
+                 seed: int | None = None, wgrad: bool = False, global_amax: Any = None) -> QuantizedTensor:
         """Cast the torch tensor ``x`` (2-D; blocks along the last axis) for tensor ``name``.
 
         ``observe=False`` re-casts (a column-wise copy, an evaluation pass): no policy update.
@@ -217,6 +217,8 @@ class Quantizer:
         GEMM; with the config's ``rht`` it is padded with zero columns to a multiple of 16 tokens
         and Hadamard-transformed first (the transform of the padded group is orthogonal, so the
         GEMM's exact value is unchanged; Transformer Engine refuses such token counts).
+        ``global_amax``: an NVFP4 cast's tensor amax to use as given (a recomputed forward reuses
+        its first cast's; no reduction).
         """
         import torch
 
@@ -250,8 +252,7 @@ class Quantizer:
                 if pad:
                     x = torch.nn.functional.pad(x, (0, pad))
                 x = be.rht(x, -1, "te")
-            global_amax = None
-            if self.amax_reduction is not None:
+            if global_amax is None and self.amax_reduction is not None:
                 global_amax = self.reduce_amax(be.amax(x))
             r, c = g.block
             codes, block_scale, tensor_scale, global_amax = be.nvfp4_quantize(

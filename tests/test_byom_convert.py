@@ -205,3 +205,72 @@ def test_a_deep_copy_is_its_own_model():
     assert get_fp8_state(twin).policies["activation"].state_dict()["tensors"]
     assert not get_fp8_state(model).policies["activation"].state_dict()["tensors"]
     assert twin[0].weight.grad is not None and model[0].weight.grad is None
+
+
+# -- 3. the output layer, found by what it is ------------------------------------------------------
+
+
+def _tiny_bert_mlm():
+    tf = transformers()
+    torch.manual_seed(0)
+    return tf.BertForMaskedLM(tf.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=64, max_position_embeddings=32))
+
+
+def test_the_output_layer_is_kept_by_what_it_is_unless_asked_and_recipe_skips_still_apply():
+    model = convert_to_fp8(_tiny_bert_mlm(), get_recipe("te-current", skip=("query",)))
+    decoder = model.cls.predictions.decoder  # BERT's vocabulary projection: no "lm_head" in its name
+    assert type(decoder) is nn.Linear and decoder is model.get_output_embeddings()
+    reasons = {n: why for n, (_, why) in get_fp8_state(model).summary.high_precision.items()}
+    assert reasons == {"cls.predictions.decoder.weight": "output layer",
+                       "bert.encoder.layer.0.attention.self.query.weight": "recipe skip list"}
+    assert isinstance(model.bert.encoder.layer[0].attention.self.key, Fp8Linear)
+    converted = convert_to_fp8(_tiny_bert_mlm(), "te-current", keep_output_layer=False)
+    assert isinstance(converted.cls.predictions.decoder, Fp8Linear)
+    # a filter replaces the skip rule, not keep_output_layer
+    filtered = convert_to_fp8(_tiny_bert_mlm(), "te-current", module_filter_fn=lambda m, fqn: True)
+    assert type(filtered.cls.predictions.decoder) is nn.Linear
+
+
+def test_a_linear_tied_to_an_embedding_is_an_output_layer_in_any_model():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.body = nn.Linear(8, 8)
+            self.proj = nn.Linear(8, 16, bias=False)
+            self.proj.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.proj(self.body(self.emb(x)))
+
+    model = convert_to_fp8(Tied(), "te-delayed")
+    assert isinstance(model.body, Fp8Linear) and type(model.proj) is nn.Linear
+    assert get_fp8_state(model).summary.high_precision == {"proj.weight": (128, "output layer")}
+
+
+# -- 5. a recipe's autocast -------------------------------------------------------------------------
+
+
+def test_a_recipes_autocast_is_applied_to_every_forward_and_left_when_it_raises():
+    x = tokens(1)
+    auto = convert_to_fp8(tiny_llama(), get_recipe("te-delayed", autocast="bfloat16"))
+    manual = convert_to_fp8(tiny_llama(), "te-delayed")
+    a = auto(x, labels=x)
+    with torch.autocast("cpu", torch.bfloat16):
+        b = manual(x, labels=x)
+    assert a.logits.dtype == torch.bfloat16 and torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+    a.loss.backward()
+    b.loss.backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(auto.parameters(), manual.parameters()))
+    assert not torch.is_autocast_enabled("cpu")
+    with pytest.raises(IndexError):
+        auto(x + 1000)  # token ids past the vocabulary: the embedding raises inside the forward
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_fp8lm_prepare_applies_the_recipes_autocast_too():
+    from fp8sim.training import fp8lm
+
+    run = fp8lm.prepare(tiny_llama(), get_recipe("fp8lm-o1", autocast="bfloat16"))
+    assert run.model(tokens(1)).logits.dtype == torch.bfloat16

@@ -8,6 +8,7 @@ import torch
 
 from fp8sim.training import fp8lm, get_fp8_state
 from fp8sim.training.fp8_linear import Fp8Linear
+from fp8sim.training.fp8_state import decode_extra_state
 from fp8sim.training.optim import Fp8AdamW
 from tests.test_byom_convert import tiny_llama, tokens
 
@@ -89,7 +90,7 @@ def test_prepare_applies_each_level_to_a_llama():
             assert torch.equal(w.detach(), decode(codes, e4m3).view(w.shape) * zero.scale_inv["model.layers.0.mlp.up_proj.weight"])
     # AutoScale's state travels in the model's state dict (in the first FP8 layer's extra state)
     sd = runs["fp8lm-o2"].model.state_dict()
-    extra = sd["model.layers.0.self_attn.q_proj._extra_state"]["extra"][fp8lm.REDUCER_STATE_KEY]
+    extra = decode_extra_state(sd["model.layers.0.self_attn.q_proj._extra_state"], "q_proj")["extra"][fp8lm.REDUCER_STATE_KEY]
     assert extra["scaling"] == "autoscale" and extra["policy"]["tensors"]
     fresh = fp8lm.prepare(tiny_llama(), "fp8lm-o2")
     fresh.model.load_state_dict(sd)

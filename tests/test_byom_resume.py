@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from fp8sim.training import convert_to_fp8, get_fp8_state
+from fp8sim.training.fp8_state import decode_extra_state
 from tests.test_byom_convert import tiny_llama, tokens
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -67,7 +68,8 @@ def test_extra_state_holds_each_layers_policies_and_a_plain_checkpoint_still_loa
     model = convert_to_fp8(tiny_llama(), "te-delayed")
     model(tokens(1), labels=tokens(1)).loss.backward()
     sd = model.state_dict()
-    extra = sd["model.layers.0.mlp.up_proj._extra_state"]
+    extra = decode_extra_state(sd["model.layers.0.mlp.up_proj._extra_state"], "up_proj")
+    assert sd["model.layers.0.mlp.up_proj._extra_state"].dtype == torch.uint8  # JSON bytes: any format stores it
     assert extra["step"] == 1
     assert set(extra["policies"]["activation"]["tensors"]) == {"model.layers.0.mlp.up_proj.input"}
     assert set(extra["policies"]["grad_output"]["tensors"]) == {"model.layers.0.mlp.up_proj.grad_output"}

@@ -153,14 +153,16 @@ def test_nvfp4_layer_bit_exact_with_manual_rht(name, rht_on):
 
 
 def _record_gemms(state):
+    """The operand pairs of every FP8 GEMM the layers run (through Fp8State.grouped_gemm, one
+    call per forward or backward, one pair per GEMM)."""
     seen = []
-    gemm = state.gemm
+    grouped = state.grouped_gemm
 
     def recording(a, b):
-        seen.append((a, b))
-        return gemm(a, b)
+        seen.extend(zip(a, b))
+        return grouped(a, b)
 
-    state.gemm = recording
+    state.grouped_gemm = recording
     return seen
 
 

@@ -38,6 +38,8 @@ Semantics shared by all backends (units and rounding):
   exactly ``fp8sim.hadamard.rht``. Backends without them say so (:attr:`Backend.has_nvfp4`).
 * ``scaled_mm``: ``(decode(a) @ decode(b)) * a_scale_inv * b_scale_inv`` accumulated in float32
   (or better: ``accumulate="float64"``, see above).
+* ``gemm`` / ``grouped_gemm``: the FP8 GEMM of two cast operands under a GEMM rule, and the MoE
+  experts' GEMMs (one per expert, each on its own scales), :mod:`fp8sim.backends.gemms`.
 * ``decode(codes, fmt)``: the exact float32 values of the codes, in the codes' memory order.
 * ``adam_step``: the fused FP8-LM Adam step, see :meth:`Backend.adam_step`.
 """
@@ -581,6 +583,17 @@ class Backend:
         from fp8sim.backends.gemms import gemm
 
         return gemm(self, a, b, rule, accumulate=accumulate, out_dtype=out_dtype)
+
+    def grouped_gemm(self, a: Any, b: Any, rule: Any = "exact", *, accumulate: str | None = None,
+                     out_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+        """The grouped GEMM of MoE experts: ``[A_g B_g^T for g]`` for two equally long sequences of
+        :class:`~fp8sim.quantizer.QuantizedTensor` -- ``a[g]`` (M_g, K_g), ``b[g]`` (N_g, K_g) --
+        each pair cast on its own (one scale set per expert, with the recipe's granularity),
+        under one :class:`~fp8sim.recipes.GemmRule`: :func:`fp8sim.backends.gemms.grouped_gemm`,
+        bit for bit the loop of :meth:`gemm` over the groups."""
+        from fp8sim.backends.gemms import grouped_gemm
+
+        return grouped_gemm(self, a, b, rule, accumulate=accumulate, out_dtype=out_dtype)
 
     def gemm_accumulator(self, a: Any, b: Any, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``accumulator`` GEMM rule (:mod:`fp8sim.gemm`'s Hopper model); the emulator's."""

@@ -18,17 +18,19 @@ out with the reduction axis K last; the result is ``A B^T`` (M, N). Rules:
 * ``accumulator`` -- :func:`fp8sim.gemm.scaled_gemm` with :data:`fp8sim.gemm.HOPPER_FP8`
   (14 significant bits, truncated, promoted to float32 every 128 elements and at every block
   boundary): the emulator backend only (numba, on the host).
+
+:func:`grouped_gemm` runs the GEMMs of MoE experts, one per expert on its own scales.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from fp8sim.recipes import GemmRule
 
-__all__ = ["gemm", "dequantize", "expand_grid"]
+__all__ = ["gemm", "grouped_gemm", "dequantize", "expand_grid"]
 
 
 def expand_grid(grid: torch.Tensor, tile: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
@@ -99,6 +101,18 @@ def gemm(backend: Any, a: Any, b: Any, rule: GemmRule = GemmRule.EXACT, *, accum
         acc = _block_values(backend, a) @ _block_values(backend, b).t()
         return (acc * torch.tensor(alpha, dtype=torch.float32, device=acc.device)).to(out_dtype)
     return (_block_values(backend, a) @ _block_values(backend, b).t()).to(out_dtype)
+
+
+def grouped_gemm(backend: Any, a: Sequence[Any], b: Sequence[Any], rule: GemmRule = GemmRule.EXACT, *,
+                 accumulate: str | None = None, out_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """``[A_g B_g^T for g]``: the GEMMs of MoE experts, group ``g`` on operands ``a[g]`` (M_g, K_g)
+    and ``b[g]`` (N_g, K_g) cast with their own scales (per tensor, per row, per block, MX or
+    NVFP4, as the recipe casts every operand), each exactly :func:`gemm` -- the grouped GEMM is
+    bit for bit the loop of per-expert GEMMs.
+    ValueError when ``a`` and ``b`` differ in length."""
+    if len(a) != len(b):
+        raise ValueError(f"grouped_gemm: {len(a)} A operands and {len(b)} B operands; one pair per group")
+    return [gemm(backend, ag, bg, rule, accumulate=accumulate, out_dtype=out_dtype) for ag, bg in zip(a, b)]
 
 
 def _torchao(backend: Any, a: Any, b: Any) -> torch.Tensor:

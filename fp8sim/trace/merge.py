@@ -10,7 +10,9 @@
 * **replicated** (every rank holds the same tensor: weights under data parallelism, statistics
   already reduced over the ranks): its statistics checked equal on every rank (histogram, counts
   of zero/NaN/inf, amax; a difference is an error naming the tensor, step and rank) and taken
-  once, with rank 0's scale and the overflow/underflow of rank 0's cast.
+  once, with rank 0's scale and the overflow/underflow of rank 0's cast. An empty record (an
+  idle MoE expert on that rank: nothing cast) is left out of the check, and the first rank
+  that cast the tensor gives the record.
 
 The placement is the catalogue entry's ``placement`` where a recorder wrote one, else by role:
 ``weight`` replicated, every other role partitioned. Scales stay per rank: the merged record's
@@ -175,12 +177,15 @@ def merge_rank_traces(run_dir: str | os.PathLike, dest: str | os.PathLike) -> Pa
                                      f"{len(recs[0][key])}")  # fmt: skip
                 per_rank.append(rr[key][i])
             if place[name] == "replicated":
-                for r, rec in enumerate(per_rank[1:], 1):
-                    if not _same_tensor(per_rank[0], rec):
+                # an idle MoE expert's empty record (no token on that rank, nothing cast) says
+                # nothing about the replicated tensor: the ranks that cast it are compared
+                cast = [(r, rec) for r, rec in enumerate(per_rank) if rec.numel > 0] or [(0, per_rank[0])]
+                r0_, a = cast[0]
+                for r, rec in cast[1:]:
+                    if not _same_tensor(a, rec):
                         raise ValueError(f"{run_dir}: {name!r} at step {step} is replicated but rank {r}'s "
-                                         f"statistics differ from rank 0's (amax {rec.amax} vs "
-                                         f"{per_rank[0].amax}, numel {rec.numel} vs {per_rank[0].numel})")
-                a = per_rank[0]
+                                         f"statistics differ from rank {r0_}'s (amax {rec.amax} vs "
+                                         f"{a.amax}, numel {rec.numel} vs {a.numel})")
                 hc = HistogramCounts(a.hist.bins, a.hist.counts, a.numel, a.zero, a.nan, a.inf, a.overflow,
                                      a.underflow, 0.0)  # fmt: skip
                 amax, scale = a.amax, a.scale

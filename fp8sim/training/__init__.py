@@ -29,6 +29,7 @@ _EXPORTS = {
     "Fp8State": "fp8sim.training.fp8_state",
     "convert_to_fp8": "fp8sim.training.convert",
     "get_fp8_state": "fp8sim.training.convert",
+    "load_fp8_state": "fp8sim.training.pretrained",
     "TrainConfig": "fp8sim.training.config",
     "Trainer": "fp8sim.training.trainer",
     "Recorder": "fp8sim.training.recorder",
@@ -40,6 +41,7 @@ __all__ = list(_EXPORTS)
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from fp8sim.training.config import GPTConfig, TrainConfig
     from fp8sim.training.convert import convert_to_fp8, get_fp8_state
+    from fp8sim.training.pretrained import load_fp8_state
     from fp8sim.training.fp8_linear import Fp8Linear
     from fp8sim.training.fp8_state import Fp8State
     from fp8sim.training.model import GPT

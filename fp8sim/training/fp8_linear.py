@@ -46,8 +46,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from fp8sim.quantizer import QuantizedTensor
-from fp8sim.training.fp8_state import Fp8State
+from fp8sim.training import linear_gemms
+from fp8sim.training.forward_calls import hold, observing_forward
+from fp8sim.training.fp8_state import Fp8State, decode_extra_state, encode_extra_state
 
 __all__ = ["Fp8Linear", "is_hf_conv1d", "in_backward"]
 
@@ -61,22 +62,9 @@ __all__ = ["Fp8Linear", "is_hf_conv1d", "in_backward"]
 _LAYERS: "weakref.WeakValueDictionary[int, Fp8Linear]" = weakref.WeakValueDictionary()
 
 
-def _saves_codes(state: Fp8State) -> bool:
-    """Whether the forward saves the FP8 X and W for the backward (tensor scaling with both
-    backward GEMMs in FP8), else the float32 X and W (re-cast along the other axis, or kept
-    high precision for a GEMM the recipe runs so)."""
-    gemms = state.recipe.gemms
-    return (state.casts["activation"].granularity.kind == "tensor" and gemms.dgrad and gemms.wgrad
-            and state.recipe.weight_dgrad is None)
-
-
 def _saved_specs(layer: "Fp8Linear", m: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of what the forward saves: codes + scale of X (M, K) and W (N, K), or
-    the float32 X and W (see :func:`_saves_codes`)."""
-    k, n = layer.in_features, layer.out_features
-    if _saves_codes(layer.state):
-        return [((m, k), torch.uint8), ((), torch.float32), ((n, k), torch.uint8), ((), torch.float32)]
-    return [((m, k), torch.float32), ((0,), torch.float32), ((n, k), torch.float32), ((0,), torch.float32)]
+    """Shapes and dtypes of what the forward saves (:func:`fp8sim.training.linear_gemms.saved_specs`)."""
+    return linear_gemms.saved_specs(layer.state, m, layer.in_features, layer.out_features)
 
 
 @torch.library.custom_op("fp8sim::fp8_linear", mutates_args=())
@@ -88,25 +76,22 @@ def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
     ``observe``: a training forward (else eval / no grad: the policies' current scales, nothing
     observed). Run inside a backward pass it is activation checkpointing's recomputed forward:
-    the casts reuse this step's first forward's scales and observe nothing."""
+    the casts repeat those of the forward call it recomputes and observe nothing
+    (:mod:`fp8sim.training.forward_calls`)."""
     layer = _LAYERS[key]
     st = layer.state
-    recompute = observe and in_backward()
     with torch.autocast(x.device.type, enabled=False):  # the emulated GEMM is never autocast
         x32 = x.detach().to(torch.float32)  # (M, K); exact from bf16 / fp16
         w32 = weight.detach().to(torch.float32)  # (N, K), or (K, N) for a transposed layer
         if layer.transposed:  # HF Conv1D stores W^T; the cast sees W (N, K), as nn.Linear's
             w32 = w32.t().contiguous()
-        xq = st.cast(f"{layer.name}.input", "activation", x32, observe=observe, recompute=recompute)
-        wq = st.cast(f"{layer.name}.weight", "weight", w32, observe=observe, recompute=recompute)
-        y = st.gemm(xq, wq) if st.recipe.gemms.fprop else x32 @ w32.t()  # (M, N) float32
+        call = st.forward_call(layer.name, x32, observe=observe, recompute=observe and in_backward(),
+                               checkpointed=layer.checkpointed)
+        layer.pending_call = call  # kept alive by the autograd context (setup_context) or a checkpoint
+        gemm, saved = linear_gemms.forward(st, layer.name, x32, w32, observe=observe, call=call)
+        y = linear_gemms.run(st, [gemm])[0]  # (M, N) float32
         if bias is not None:  # the GEMM epilogue's float32 add, before the one rounding
             y = y + bias.detach().to(torch.float32)
-    if _saves_codes(st):  # the codes and the scales they were cast with (scale_inv = 1 / scale, as the cast's)
-        saved = (xq.codes, xq.scale, wq.codes, wq.scale)
-    else:  # blocks re-cast along the other axis in backward, from the high-precision tensors
-        empty = torch.zeros(0, dtype=torch.float32)
-        saved = (x32, empty, w32, empty.clone())
     # outputs of a custom op may not alias its inputs or each other
     saved = tuple(t.reshape(shape).to(dtype).clone() for t, (shape, dtype) in zip(saved, _saved_specs(layer, x.shape[0])))
     return (y.to(out_dtype),) + saved
@@ -128,36 +113,11 @@ def _fp8_linear_backward_op(gy: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor
     the dtypes of x, the stored weight (its layout too) and the bias."""
     layer = _LAYERS[key]
     st = layer.state
-    fmt_x, fmt_w = st.formats["activation"], st.formats["weight"]
     with torch.autocast(gy.device.type, enabled=False):
         gy = gy.to(torch.float32).contiguous()  # (M, N); exact from bf16 / fp16
-        gemms = st.recipe.gemms
-        gq = st.cast(f"{layer.name}.grad_output", "grad_output", gy, observe=observe)
-        if s0.dtype == torch.uint8:  # tensor scaling: the FP8 X and W of the forward
-            xq = QuantizedTensor(s0, torch.reciprocal(s1), fmt_x, st.casts["activation"].granularity, scale=s1)
-            wq = QuantizedTensor(s2, torch.reciprocal(s3), fmt_w, st.casts["weight"].granularity, scale=s3)
-            dx = st.gemm(gq, wq.t())  # (M, N) x (N, K) -> (M, K)
-            dw = st.gemm(gq.t(), xq.t())  # (N, M) x (M, K) -> (N, K)
-        else:  # each GEMM's operands along its reduction axis, cast from the high-precision tensors
-            x, w = s0, s2
-            w_role = "weight_dgrad" if "weight_dgrad" in st.quantizers else "weight"
-            w_gran = st.quantizers[w_role].granularity
-            if not gemms.dgrad:
-                dx = gy @ w  # (M, N) x (N, K), float32
-            elif w_gran.kind == "tensor" or _square(w_gran):
-                # one scale or square tiles: the cast of W (the forward's, for the same role), transposed
-                dx = st.gemm(gq, st.cast(f"{layer.name}.weight", w_role, w, observe=False).t())
-            else:
-                dx = st.gemm(gq, st.cast(f"{layer.name}.weight", w_role, w.t().contiguous(), observe=False))
-            if not gemms.wgrad:
-                dw = gy.t() @ x  # (N, M) x (M, K), float32
-            else:  # the weight-gradient operands, reduced along the tokens: (N, M) and (K, M)
-                gt = st.cast(f"{layer.name}.grad_output", "grad_output", gy.t().contiguous(), observe=False,
-                             wgrad=True)
-                xt = st.cast(f"{layer.name}.input", "activation", x.t().contiguous(), observe=False, wgrad=True)
-                dw = st.gemm(gt, xt)
-        if "weight_grad" in st.casts:  # FP8-LM O1: the weight gradient itself travels in FP8
-            dw = st.backend.to_float(st.cast(f"{layer.name}.weight_grad", "weight_grad", dw, observe=observe))
+        dgrad, wgrad = linear_gemms.backward(st, layer.name, gy, (s0, s1, s2, s3), observe=observe)
+        dx, dw = linear_gemms.run(st, [dgrad, wgrad])  # (M, K), (N, K)
+        dw = linear_gemms.cast_weight_grad(st, layer.name, dw, observe=observe)
         db = gy.sum(0).to(b_dtype) if b_dtype is not None else gy.new_zeros(0)
     if layer.transposed:
         dw = dw.t()  # (K, N), the stored layout
@@ -173,14 +133,11 @@ def _(gy, s0, s1, s2, s3, key, observe, x_dtype, w_dtype, b_dtype):
     return gy.new_empty((m, k), dtype=x_dtype), gy.new_empty(w_shape, dtype=w_dtype), db
 
 
-def _square(g) -> bool:
-    return g.block is not None and g.block[0] == g.block[1]
-
-
 def _fp8_linear_setup_context(ctx, inputs, output) -> None:
     x, weight, bias, key, out_dtype, observe = inputs
     ctx.save_for_backward(*output[1:])
     ctx.key, ctx.observe = key, observe
+    ctx.fp8_call = _LAYERS[key].pending_call  # the forward call lives as long as this graph
     ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
 
@@ -230,6 +187,10 @@ class Fp8Linear(nn.Module):
         self.state = state  # plain attribute: shared, not a submodule
         self._key = id(self)  # this layer in the custom ops' registry
         _LAYERS[self._key] = self
+        #: the forward call of the last forward (:mod:`fp8sim.training.forward_calls`), until its
+        #: autograd context (or a reentrant checkpoint's) takes it
+        self.pending_call = None
+        self.checkpointed = False  # whether the current forward may be recomputed by checkpointing
 
     def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle: the copy is its own layer
         super().__setstate__(state)
@@ -238,33 +199,26 @@ class Fp8Linear(nn.Module):
 
     def tensor_names(self) -> set[str]:
         """The names of this layer's tensors in the policies and traces."""
-        return {f"{self.name}.{r}" for r in ("input", "weight", "grad_output", "weight_grad")}
+        return linear_gemms.tensor_names(self.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, K), M = prod(lead)
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        observe = self.training and torch.is_grad_enabled()  # eval / no grad: nothing observed
+        observe, self.checkpointed, holder = observing_forward(self)  # eval / no grad: nothing observed
         y = _fp8_linear_op(x2, self.weight, self.bias, self._key, out_dtype, observe)[0]  # (M, N)
+        hold(holder, self.pending_call)  # a reentrant checkpoint's first forward: its context keeps the call
         return y.view(*lead, self.out_features)
 
     # -- the FP8 state in state_dict() ----------------------------------------------------------
-    def get_extra_state(self) -> dict:
-        out = self.state.layer_state(self.tensor_names())
-        if self.state.extra_states and fp8_linears_first(self):
-            out["extra"] = {k: v.state_dict() for k, v in self.state.extra_states.items()}
-        return out
+    def get_extra_state(self) -> torch.Tensor:
+        """This layer's share of the FP8 state (:meth:`Fp8State.layer_state`; the first layer also
+        carries the state's extras), as a uint8 tensor of JSON (:func:`encode_extra_state`)."""
+        return encode_extra_state(layer_extra_state(self))
 
-    def set_extra_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or "policies" not in state:
-            raise ValueError(f"{self.name}: FP8 extra state must be a dict saved by Fp8Linear, got {type(state).__name__}")
-        self.state.load_layer_state(self.tensor_names(), state)
-        for key, sd in state.get("extra", {}).items():
-            if key not in self.state.extra_states:
-                raise ValueError(f"{self.name}: the saved FP8 state holds {key!r}, which this model was not "
-                                 f"prepared with (prepare it as the saved one was)")
-            self.state.extra_states[key].load_state_dict(sd)
+    def set_extra_state(self, state: torch.Tensor | dict) -> None:
+        load_layer_extra_state(self, decode_extra_state(state, self.name))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -281,9 +235,24 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {roles}{layout}"
 
 
-def fp8_linears_first(layer: Fp8Linear) -> bool:
-    """Whether ``layer`` is the first converted layer of its state (it carries the shared extras)."""
-    return layer.state.first_layer == layer.name
+def layer_extra_state(layer: nn.Module) -> dict:
+    """The plain-data FP8 state of an FP8 ``layer`` (an :class:`Fp8Linear` or FP8 experts: its
+    ``state``, ``name`` and ``tensor_names()``): its tensors' policy states and the step; the
+    first converted layer also carries the state's extras (FP8-LM's gradient reducer)."""
+    out = layer.state.layer_state(layer.tensor_names())
+    if layer.state.extra_states and layer.state.first_layer == layer.name:
+        out["extra"] = {k: v.state_dict() for k, v in layer.state.extra_states.items()}
+    return out
+
+
+def load_layer_extra_state(layer: nn.Module, state: dict) -> None:
+    """Restore :func:`layer_extra_state` into ``layer`` (the other tensors keep theirs)."""
+    layer.state.load_layer_state(layer.tensor_names(), state)
+    for key, sd in state.get("extra", {}).items():
+        if key not in layer.state.extra_states:
+            raise ValueError(f"{layer.name}: the saved FP8 state holds {key!r}, which this model was not "
+                             f"prepared with (prepare it as the saved one was)")
+        layer.state.extra_states[key].load_state_dict(sd)
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:

@@ -6,6 +6,7 @@ GEMMs: that module's docstring.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any, Callable
 
@@ -15,11 +16,16 @@ import torch
 from fp8sim.quantizer import QuantizedTensor, Quantizer, stochastic_seed
 from fp8sim.recipes import CastConfig, GemmRule, LinearRecipe
 from fp8sim.trace import cast_thresholds
+from fp8sim.training.forward_calls import CastRecord, ForwardCall, ForwardCalls
 
-__all__ = ["Fp8State", "Fp8Operand", "Tap", "dequantize_blocks"]
+__all__ = ["Fp8State", "Fp8Operand", "Tap", "ExpertTap", "encode_extra_state", "decode_extra_state",
+           "dequantize_blocks"]
 
 #: a recorder tap: (tensor name, role, float tensor as cast, cast config, scale used, operand)
 Tap = Callable[[str, str, torch.Tensor, CastConfig, Any, QuantizedTensor], None]
+
+#: a tap of the MoE experts' casts: a :data:`Tap`'s arguments and the expert's index
+ExpertTap = Callable[[str, str, torch.Tensor, CastConfig, Any, QuantizedTensor, int], None]
 
 #: the cast tensor of the training path (the quantizer's one result type)
 Fp8Operand = QuantizedTensor
@@ -35,7 +41,10 @@ class Fp8State:
         step: the training step the casts belong to (set by the trainer, used for stochastic
             rounding seeds and by recorders).
         events: ``{"overflow": n, "underflow": n}`` since the last :meth:`pop_events`.
-        taps: recorder callbacks, called once per cast.
+        taps: recorder callbacks, called once per observed cast of a linear layer;
+            ``expert_taps``: the same for MoE experts' casts, with the expert's index.
+        summary: which parameters run in FP8, which stay in high precision and why
+            (:class:`~fp8sim.training.coverage.Fp8Summary`, set by ``convert_to_fp8``).
         observing: False in evaluation: casts use the current scales but update no policy,
             count nothing and call no tap.
         gemm_rule: the recipe's :class:`~fp8sim.recipes.GemmRule`.
@@ -62,17 +71,24 @@ class Fp8State:
         self._check_casts(recipe_name)
         self._step = 0
         self._explicit_step = False
-        #: tensor name -> (step, scale) of its last observed cast: what a recomputed forward
-        #: (activation checkpointing) casts with again
-        self._cast_scales: dict[str, tuple[int, Any]] = {}
+        #: the live observed forward calls, for activation checkpointing's recompute
+        #: (:mod:`fp8sim.training.forward_calls`)
+        self.calls = ForwardCalls()
+        self._last_cast: dict[str, CastRecord] = {}  # tensor name -> its last observed cast
         #: objects with state_dict/load_state_dict whose state travels with the model's state
         #: dict (in the first FP8 layer's ``_extra_state``), e.g. FP8-LM's gradient reducer
         self.extra_states: dict[str, Any] = {}
         self.count_events = count_events
         self.events: Counter = Counter()
         self.taps: list[Tap] = []
+        #: taps of the MoE experts' casts, called as ``tap(name, role, x, cast, scale, op, expert)``
+        #: with the expert's index (one grouped GEMM casts every expert's operands)
+        self.expert_taps: list[ExpertTap] = []
         self.observing = True
         self.first_layer: str | None = None  # the converted layer that carries extra_states
+        #: what :func:`~fp8sim.training.convert.convert_to_fp8` runs in FP8 and what it keeps in high
+        #: precision (:class:`~fp8sim.training.coverage.Fp8Summary`)
+        self.summary: Any = None
         self._root_hook: Any = None  # the handle of convert_to_fp8's step hook on the root module
         self.gemm_accumulate = gemm_accumulate
 
@@ -146,37 +162,57 @@ class Fp8State:
             self._step += 1
 
     # -- casts ------------------------------------------------------------------------------
+    def forward_call(self, layer: str, x: torch.Tensor, *, observe: bool, recompute: bool,
+                     checkpointed: bool) -> ForwardCall | None:
+        """The :class:`~fp8sim.training.forward_calls.ForwardCall` a forward of ``layer`` on input
+        ``x`` casts through, or None for a forward that observes nothing (eval, no grad).
+        ``recompute``: activation checkpointing's recompute inside backward, a replay of the
+        observed call with the same input; ``checkpointed``: a forward checkpointing may
+        recompute (:meth:`ForwardCalls.begin`)."""
+        if not (observe and self.observing):
+            return None
+        return self.calls.begin(layer, x, recompute=recompute, checkpointed=checkpointed)
+
     def cast(self, name: str, role: str, x: torch.Tensor, *, observe: bool = True,
-             recompute: bool = False, wgrad: bool = False) -> QuantizedTensor:
+             call: ForwardCall | None = None, wgrad: bool = False, expert: int | None = None) -> QuantizedTensor:
         """Cast ``x`` (2-D; blocks, if any, along the last axis) for tensor ``name`` in ``role``
         through its role's quantizer (:meth:`fp8sim.quantizer.Quantizer.quantize`).
 
         ``observe=False`` re-casts a tensor already cast this step (column-wise copies, eval
-        and no-grad forwards): no policy update, no count, no tap. ``recompute=True`` is the
-        forward that activation checkpointing runs again in backward: if ``name`` was observed
-        this step it is cast with the scale that cast used (its input is the same, so are its
-        codes) and observes nothing; otherwise (a reentrant checkpoint's first forward ran
-        without autograd) this is the step's observed cast. ``wgrad=True``: ``x`` is the
-        transposed copy (K or N, M) for the weight-gradient GEMM (the quantizer applies the
-        cast's RHT), and stochastic rounding keys its stream with ``name + "^T"``.
+        and no-grad forwards): no policy update, no count, no tap. ``call``: the forward call
+        the cast belongs to (:meth:`forward_call`); an observed call records the cast's step,
+        scale and NVFP4 tensor amax, and a replay (activation checkpointing's recompute) casts
+        with exactly those -- so with the same codes, its input being the same -- and observes
+        nothing. ``wgrad=True``: ``x`` is the transposed copy (K or N, M) for the
+        weight-gradient GEMM (the quantizer applies the cast's RHT), and stochastic rounding
+        keys its stream with ``name + "^T"``. ``expert``: the MoE expert the cast belongs to
+        (its observed casts go to :attr:`expert_taps` instead of :attr:`taps`).
         """
         q = self.quantizers[role]
-        reused = self._cast_scales.get(name) if recompute else None
-        scale = None
-        if reused is not None and reused[0] == self._step:
-            observe, scale = False, reused[1]
-        observe = observe and self.observing
-        seed = self.seed_for(name + "^T" if wgrad else name) if q.cast.rounding == "stochastic" else None
-        op = q.quantize(name, x, observe=observe, scale=scale if q.granularity.kind == "tensor" else None,
-                        seed=seed, wgrad=wgrad)
-        if not observe:  # re-casts and eval passes leave no trace
+        record = call.casts.get(name) if call is not None and call.replay else None
+        if call is not None and call.unmatched:  # see ForwardCall.unmatched
+            last = self._last_cast.get(name)
+            record = last if last is not None and last.step == self._step else None
+        step = self._step if record is None else record.step
+        observe = observe and self.observing and record is None
+        seed = (stochastic_seed(step, name + "^T" if wgrad else name)
+                if q.cast.rounding == "stochastic" else None)
+        scale = record.scale if record is not None and q.granularity.kind == "tensor" else None
+        op = q.quantize(name, x, observe=observe, scale=scale, seed=seed, wgrad=wgrad,
+                        global_amax=None if record is None else record.global_amax)
+        if not observe:  # re-casts, replays and eval passes leave no trace
             return op
-        self._cast_scales[name] = (self._step, op.scale)  # None for block scales (from the tensor)
+        if call is not None:
+            call.casts[name] = self._last_cast[name] = CastRecord(step, op.scale, op.global_amax)
         scale = float(op.scale) if op.granularity.kind == "tensor" else None  # per-row scales: see _count
         if self.count_events:
             self._count(x.detach(), op, scale, op.amax)
-        for tap in self.taps:
-            tap(name, role, x.detach(), self.casts[role], scale, op)
+        if expert is None:
+            for tap in self.taps:
+                tap(name, role, x.detach(), self.casts[role], scale, op)
+        else:
+            for tap in self.expert_taps:
+                tap(name, role, x.detach(), self.casts[role], scale, op, expert)
         return op
 
     def seed_for(self, name: str) -> int:
@@ -223,13 +259,19 @@ class Fp8State:
         backend's GEMM under the recipe's rule (:func:`fp8sim.backends.gemms.gemm`)."""
         return self.backend.gemm(a, b, self.gemm_rule, accumulate=self._accumulate)
 
+    def grouped_gemm(self, a: list[QuantizedTensor], b: list[QuantizedTensor]) -> list[torch.Tensor]:
+        """``A_g B_g^T`` in float32 for each pair of ``a`` (M_g, K_g) and ``b`` (N_g, K_g) -- the
+        MoE experts' GEMMs, each on its own scales: the backend's grouped GEMM under the recipe's
+        rule (:meth:`fp8sim.backends.base.Backend.grouped_gemm`)."""
+        return self.backend.grouped_gemm(a, b, self.gemm_rule, accumulate=self._accumulate)
+
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"step": self.step, "policies": {r: p.state_dict() for r, p in self.policies.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         self._step = int(d["step"])  # not the setter: a loop that never set the step still need not
-        self._cast_scales.clear()
+        self._last_cast.clear()
         for role, sd in d["policies"].items():
             self.policies[role].load_state_dict(sd)
 
@@ -247,7 +289,7 @@ class Fp8State:
         """Restore :meth:`layer_state` of the tensors ``names`` (the other tensors keep theirs)."""
         self._step = int(d["step"])
         self._explicit_step = bool(d.get("explicit_step", False))
-        self._cast_scales.clear()
+        self._last_cast.clear()
         for role, sd in d["policies"].items():
             if role not in self.policies:
                 raise ValueError(f"FP8 state for role {role!r}: this model's recipe casts only "
@@ -259,6 +301,29 @@ class Fp8State:
             tensors = {k: v for k, v in full["tensors"].items() if k not in names}
             tensors.update({k: v for k, v in sd["tensors"].items() if k in names})
             self.policies[role].load_state_dict({"policy": full["policy"], "tensors": tensors})
+
+
+def encode_extra_state(state: dict) -> torch.Tensor:
+    """An FP8 layer's ``_extra_state`` as ``state_dict()`` holds it: the plain-data dict as UTF-8
+    JSON in a uint8 tensor, so every state-dict format stores it (safetensors, through
+    ``save_pretrained``; ``torch.load(weights_only=True)``) and loading it runs no code
+    (floats round-trip exactly; inf and NaN as JSON's ``Infinity``/``NaN``)."""
+    data = json.dumps(state, sort_keys=True, allow_nan=True).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def decode_extra_state(value: Any, what: str) -> dict:
+    """The dict of :func:`encode_extra_state` (a dict, as older checkpoints hold it, is taken as
+    is); ValueError naming ``what`` for anything else."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
+        try:
+            value = json.loads(value.cpu().numpy().tobytes().decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{what}: FP8 extra state is not the JSON an FP8 layer saves ({exc})") from None
+    if not isinstance(value, dict) or "policies" not in value:
+        raise ValueError(f"{what}: FP8 extra state must be what an FP8 layer saves (a uint8 tensor of JSON), "
+                         f"got {type(value).__name__}")
+    return value
 
 
 def dequantize_blocks(op: QuantizedTensor, backend: Any = None) -> torch.Tensor:

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from fp8sim.training.fp8_allreduce import CommCounter, Fp8GradReducer
-from fp8sim.training.convert import ModuleFilter, convert_to_fp8, fp8_linears, get_fp8_state
+from fp8sim.training.convert import ModuleFilter, apply_autocast, convert_to_fp8, fp8_linears, get_fp8_state
 from fp8sim.recipes import Recipe, get_recipe
 
 __all__ = ["Fp8LMTraining", "Fp8LMOptimizer", "prepare"]
@@ -181,6 +181,7 @@ def prepare(
 
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     convert_to_fp8(model, r.linear, backend, module_filter_fn=module_filter_fn, gemm_accumulate=gemm_accumulate)
+    apply_autocast(model, r.autocast)
     state = get_fp8_state(model)
     named = list(params) if params is not None else list(model.named_parameters())
     bad = [n for n, p in named if p.dtype != torch.float32]

@@ -36,9 +36,15 @@ not recorded; a forward that activation checkpointing recomputes is recorded onc
 Where the distributed hooks go (not done here): a sharded tensor's statistics are reduced over
 its process group in :meth:`Recorder._statistics`, before they leave the device --
 :func:`~fp8sim.trace.statistics.device_statistics`' histogram and counts by SUM, its amax (the
-float64 bits in the last field: reduce the float) by MAX; a MoE expert's token count is the
-``numel`` of its activation record (:meth:`StepBatch.add`), an idle expert's record one of 0
-elements.
+float64 bits in the last field: reduce the float) by MAX.
+
+MoE experts (:mod:`fp8sim.training.experts`) are recorded per expert, each expert of each
+projection as a linear layer of its own: ``{experts}.{projection}.{e}`` with its ``input``,
+``weight``, ``grad_output`` and ``weight_grad`` (``layers`` patterns match these names). The
+tokens routed to an expert at a step are the rows of its input record (``numel / in``). An
+expert no token reached casts nothing: at each recorded step it gets an empty record (0
+elements) per role, which the analyses and replays skip -- an idle step is no underflow, and
+no policy observes it, as none did in training.
 """
 
 from __future__ import annotations
@@ -56,7 +62,8 @@ from fp8sim.errors import ArgumentError
 from fp8sim.trace import TraceReader, TraceWriter
 from fp8sim.trace.background import BackgroundWriter
 from fp8sim.trace.statistics import device_statistics, histogram_and_counts
-from fp8sim.training.convert import fp8_linears, get_fp8_state
+from fp8sim.training.convert import fp8_experts, fp8_linears, get_fp8_state
+from fp8sim.training.experts import is_fp8_experts
 from fp8sim.training.fp8_linear import is_hf_conv1d
 from fp8sim.recipes import CastConfig, get_recipe
 from fp8sim.training.record_batch import StepBatch, seen_amax
@@ -106,7 +113,7 @@ class Recorder:
         if self.state is not None:
             casts = dict(self.state.casts)
             recipe_name = getattr(self.state.recipe, "name", None) or "fp8-model"
-            candidates = [(m.name, m) for m in fp8_linears(model)]
+            candidates = [(m.name, m) for m in fp8_linears(model)] + _expert_layers(model)
         else:
             try:
                 linear = get_recipe(recipe).linear
@@ -118,8 +125,16 @@ class Recorder:
             casts = linear.casts()
             recipe_name = recipe
             candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)]
-        self.layers = select_layers(layers, candidates)
-        self._layer_names = {n for n, _ in self.layers}
+        _warn_unrecorded_experts(model)
+        picked = select_layers(layers, candidates)
+        self._layer_names = {n for n, _ in picked}
+        #: the MoE experts picked, one "layer" per expert and projection: (name, experts module,
+        #: projection, expert); the other layers are linears
+        self.expert_layers = [(n, m, *n.rsplit(".", 2)[1:]) for n, m in picked if not _is_linear_layer(m)]
+        self.expert_layers = [(n, m, proj, int(e)) for n, m, proj, e in self.expert_layers]
+        self.layers = [(n, m) for n, m in picked if _is_linear_layer(m)]
+        self._active: set[str] = set()  # the expert layers that cast something this step
+        self._last_scale: dict[str, float] = {}  # tensor name -> scale of its last record
         # the casts the recipe performs (live, or under its policies on a plain model); the
         # others are what-if casts, flagged so in the trace's catalogue
         self.performed = frozenset(casts)
@@ -170,6 +185,7 @@ class Recorder:
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward))
         if self.state is not None:
             self.state.taps.append(self._on_cast)
+            self.state.expert_taps.append(self._on_expert_cast)
         else:
             for name, mod in self.layers:
                 if "activation" in self.roles or "weight" in self.roles:
@@ -184,6 +200,12 @@ class Recorder:
                 seen.add(id(mod.weight))
                 self._handles.append(mod.weight.register_post_accumulate_grad_hook(
                     self._make_wgrad_hook(name, self.state is None and is_hf_conv1d(mod))))
+            by_param: dict[int, tuple[torch.Tensor, list]] = {}
+            for name, mod, proj, e in self.expert_layers:
+                w = getattr(mod, proj)
+                by_param.setdefault(id(w), (w, []))[1].append((name, e, mod.is_transposed))
+            for w, picked in by_param.values():
+                self._handles.append(w.register_post_accumulate_grad_hook(self._make_expert_wgrad_hook(picked)))
 
     @torch.compiler.disable  # a Python step counter: traced, it would be a guard (a recompile a step)
     def _root_pre_forward(self, module, args) -> None:
@@ -234,6 +256,20 @@ class Recorder:
 
         return hook
 
+    def _make_expert_wgrad_hook(self, picked: list[tuple[str, int, bool]]):
+        """The weight gradient of each picked expert of one 3-D expert weight, as an (out, in)
+        slice; only experts that had tokens this step (an idle expert's gradient is zero, its
+        empty record comes from :meth:`_fill_idle_experts`)."""
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is None or self.step < 1 or not self._training_forward:
+                return
+            g = param.grad.detach()  # (E, out, in), or (E, in, out) stored transposed
+            for name, e, transposed in picked:
+                if name in self._active:
+                    self._record_hypothetical(f"{name}.weight_grad", "weight_grad", g[e].t() if transposed else g[e])
+
+        return hook
+
     # -- recording --------------------------------------------------------------------------
     #: take the accelerator's path (statistics as device rows, amaxes deferred) for CPU tensors
     #: too: how the tests check that path on a machine without an accelerator
@@ -254,6 +290,7 @@ class Recorder:
             from fp8sim.trace.block_stats import mx_what_if
 
             measured["blocks"] = mx_what_if(x, fmt, self._hist_bits)  # what an MX cast would do
+        self._last_scale[name] = scale
         if name not in self._declared:  # declared once, with the first shape seen
             self._batch.declare.append((name, role, fmt.name, tuple(x.shape), role not in self.performed))
             self._declared.add(name)
@@ -322,6 +359,38 @@ class Recorder:
             self._add(name, role, op.fmt, x, 1.0, self._statistics(x, op.fmt, 1.0), overflow=blocks.clipped,
                       underflow=int(under) if self._on_host(x) else under, blocks=blocks)  # fmt: skip
 
+    def _on_expert_cast(self, name: str, role: str, x: torch.Tensor, cast: CastConfig, scale, op,
+                        expert: int) -> None:
+        """Tap of the FP8 MoE experts: the cast of one expert's tensor, recorded as a linear's
+        (``{experts}.{projection}.{expert}.input`` etc.); the expert had tokens this step."""
+        self._active.add(name.rsplit(".", 1)[0])
+        self._on_cast(name, role, x, cast, scale, op)
+
+    def _fill_idle_experts(self) -> None:
+        """An empty record (0 elements: no token, nothing cast) for each recorded role of each
+        picked expert that had no token this step, so that the trace says the expert was idle
+        -- tokens per expert are the input records' rows -- and the analyses do not take the
+        step for an underflow or a missing record. Its scale is the tensor's last recorded
+        scale (1 before any)."""
+        if self._batch is None or not self._batch.records:
+            return
+        for name, mod, proj, e in self.expert_layers:
+            if name in self._active:
+                continue
+            w = getattr(mod, proj)
+            out_f, in_f = (w.shape[2], w.shape[1]) if mod.is_transposed else (w.shape[1], w.shape[2])
+            for role, suffix, width in (("activation", "input", in_f), ("weight", "weight", in_f),
+                                        ("grad_output", "grad_output", out_f), ("weight_grad", "weight_grad", in_f)):
+                if role not in self.roles:
+                    continue
+                tensor, fmt = f"{name}.{suffix}", self.casts[role].fmt
+                if role in ("weight", "weight_grad") and tensor not in self._declared:  # its own shape
+                    self._batch.declare.append((tensor, role, fmt.name, (out_f, in_f), role not in self.performed))
+                    self._declared.add(tensor)
+                empty = w.detach().new_empty((0, width), dtype=torch.float32)
+                scale = self._last_scale.get(tensor, 1.0)
+                self._add(tensor, role, fmt, empty, scale, self._statistics(empty, fmt, scale), blocks=None)
+
     # -- steps and lifetime -----------------------------------------------------------------
     def _start_step(self, step: int) -> None:
         self._finish_step()
@@ -333,6 +402,8 @@ class Recorder:
 
     def _finish_step(self) -> None:
         """Hand the current step's records to the background writer."""
+        self._fill_idle_experts()
+        self._active.clear()
         batch, self._batch = self._batch, None
         if batch is not None and (batch.records or batch.declare):
             batch.finish()
@@ -389,6 +460,8 @@ class Recorder:
         self._handles.clear()
         if self.state is not None and self._on_cast in self.state.taps:
             self.state.taps.remove(self._on_cast)
+        if self.state is not None and self._on_expert_cast in self.state.expert_taps:
+            self.state.expert_taps.remove(self._on_expert_cast)
         atexit.unregister(self._atexit)
         try:
             self._finish_step()
@@ -400,6 +473,33 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _warn_unrecorded_experts(model: nn.Module) -> None:
+    """One warning naming the transformers MoE experts modules ``model`` runs in high precision:
+    their GEMMs are inside the experts' forward, where no hook reaches, so they are not recorded
+    (FP8 experts, :func:`~fp8sim.training.convert_to_fp8`, are)."""
+    import warnings
+
+    from fp8sim.training.experts import is_hf_experts
+
+    found = [n for n, m in model.named_modules() if is_hf_experts(m) and not is_fp8_experts(m)]
+    if found:
+        warnings.warn(f"record: {len(found)} MoE experts modules run in high precision and are not recorded "
+                      f"(first: {found[0]}); convert_to_fp8 the model to record its experts per expert",
+                      UserWarning, stacklevel=4)
+
+
+def _is_linear_layer(module: nn.Module) -> bool:
+    """A recorder layer that is a linear (``nn.Linear``, ``Conv1D`` or ``Fp8Linear``), not MoE experts."""
+    return not is_fp8_experts(module)
+
+
+def _expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(f"{experts}.{projection}.{expert}", experts module)`` for every expert of every FP8
+    experts module of ``model`` (:mod:`fp8sim.training.experts`), as the recorder's layers."""
+    return [(f"{m.fp8_name}.{proj}.{e}", m) for m in fp8_experts(model) for proj in m.fp8_projections
+            for e in range(m.num_experts)]
 
 
 def _block_params(cast: CastConfig) -> dict:
