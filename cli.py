@@ -5,7 +5,8 @@ its parser and sets ``func``) and the ``func(args) -> int`` it points to. This f
 turns known errors into one line on stderr with exit code 2, and never prints a traceback unless
 ``FP8SIM_DEBUG=1``.
 
-Exit codes: 0 ok, 1 a ``--fail-on`` threshold was crossed, 2 bad input or usage.
+Exit codes: 0 ok, 1 a gate the user asked for failed (a ``--fail-on`` rule crossed, ``conformance
+--fail-on-disagreement``), 2 bad input or usage, 3 an internal error (a bug), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
