@@ -7,6 +7,7 @@ checkpoint of >= 20 GB, with --jobs, is benchmarks/bench_checkpoint_scale.py (mi
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -35,7 +36,11 @@ def test_a_4_6_gib_nvfp4_file_is_linked_and_read_within_512_mib(tmp_path):
     f = tmp_path / "model.safetensors"
     size = write_sparse_safetensors(f, nvfp4_entries("w", ROWS, COLS))
     assert size > 4.6 * 2**30
-    out = subprocess.run([sys.executable, "-c", PROBE, str(f)], capture_output=True, text=True)
+    # a fresh process with a plain environment: what other tests set in this one (threads, caches)
+    # is not what a user's worker runs with
+    keep = ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "NUMBA_CACHE_DIR")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    out = subprocess.run([sys.executable, "-c", PROBE, str(f)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     note, peak_mib = out.stdout.strip().splitlines()
     assert "NVFP4 (compressed-tensors)" in note
