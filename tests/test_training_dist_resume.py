@@ -70,7 +70,7 @@ def _torchrun(*args: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def _stop_resume_and_compare(tmp_path, recipe: str, nproc: int, record: bool = False, torchrun: bool = False):
+def _stop_resume_and_compare(tmp_path, recipe: str, nproc: int, record: bool = False):
     cfg = _cfg(recipe)
     full, cut = tmp_path / "full", tmp_path / "cut"
     rec = ({"record": tmp_path / "trace-full", "save_every": 2}, {"record": tmp_path / "trace-cut", "save_every": 2})
@@ -81,11 +81,7 @@ def _stop_resume_and_compare(tmp_path, recipe: str, nproc: int, record: bool = F
     assert latest_checkpoint(cut) == {"step": 2, "world": nproc}
     assert [d.name for d in (cut / "checkpoint").glob("step*")] == ["step00000002"]
     assert [r["step"] for r in _rows(cut)] == [1, 2, 3] and not (cut / "run.json").exists()
-    if torchrun:
-        shutil.copytree(cut, tmp_path / "cut1")  # resumed on 1 rank below
-        _torchrun("--resume", "--out", str(cut))  # every option from the run's config.json
-    else:
-        train_distributed(cfg, cut, nproc=nproc, progress=False, resume=True, **rec[1])
+    train_distributed(cfg, cut, nproc=nproc, progress=False, resume=True, **rec[1])
     a, b = _rows(full), _rows(cut)
     if record:  # the trace (flushed through step 3 when stopped) is cut back to 2 and re-recorded
         from fp8sim.trace import TraceReader
@@ -109,20 +105,53 @@ def _stop_resume_and_compare(tmp_path, recipe: str, nproc: int, record: bool = F
     return ca
 
 
-def test_two_rank_o3_resumes_bit_exactly_under_torchrun_and_on_one_rank(tmp_path):
-    # --nproc 2 uninterrupted vs --nproc 2 stopped after step 3 and resumed by real torchrun:
+#: ``fp8sim train`` flags of a 2-rank FP8-LM O3 run (6 steps, checkpoints every 2)
+O3_FLAGS = ["--recipe", "fp8lm-o3", "--steps", "6", "--batch-size", "8", "--lr", "0.01", "--warmup", "2",
+            "--eval-every", "0", "--checkpoint-every", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+            "--block-size", "32"]  # fmt: skip
+
+
+def test_torchrun_of_the_cli_trains_as_nproc_and_resumes_under_torchrun_and_on_one_rank(tmp_path):
+    from fp8sim.cli import build_parser
+    from fp8sim.training.commands import config_from_args, options_from_args
+
+    args = build_parser().parse_args(["train", *O3_FLAGS])
+    cfg, opts = config_from_args(args), {**options_from_args(args), "nproc": 2}
+    tr, cut = tmp_path / "torchrun", tmp_path / "cut"
+    # real torchrun, fresh: rank 0 alone creates the run directory and writes config.json
+    _torchrun(*O3_FLAGS, "--out", str(tr))
+    # --nproc 2 (torchrun's elastic launcher in this process), stopped after step 3 as if killed
+    train_distributed(cfg, cut, nproc=2, progress=False, stop_after=3, run_options=opts)
+    assert latest_checkpoint(cut) == {"step": 2, "world": 2}
+    assert [d.name for d in (cut / "checkpoint").glob("step*")] == ["step00000002"]
+    a, b = _rows(tr), _rows(cut)
+    assert [r["step"] for r in b] == [1, 2, 3] and not (cut / "run.json").exists()
+    for key in ("loss", "grad_norm", "lr", "comm_bytes", "allreduce"):  # torchrun == --nproc 2, bit for bit
+        assert [r[key] for r in a[:3]] == [r[key] for r in b], key
+    shutil.copytree(cut, tmp_path / "cut1")  # resumed on 1 rank below
+    _torchrun("--resume", "--out", str(cut))  # every option from the run's config.json
+    b = _rows(cut)
+    assert [r["step"] for r in b] == list(range(1, 7))  # step 3 was run again, logged once
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
     # FSDP2's shards, the FP16 masters and Adam states, FP8 state and AutoScale's mu, bit for bit
-    ck = _stop_resume_and_compare(tmp_path, "fp8lm-o3", 2, torchrun=True)
+    ca, cb = _checkpoint(tr), _checkpoint(cut)
+    for key in ("model", "optim", "fp8"):
+        _assert_same(ca[key], cb[key], key)
+    _assert_same(ca["extra"]["reducer"], cb["extra"]["reducer"], "reducer")
+    sa, sb = (json.loads((d / "run.json").read_text()) for d in (tr, cut))
+    assert sa["final_loss"] == sb["final_loss"] and sa["steps_done"] == sb["steps_done"] == 6
+    assert sa["memory_bytes_per_param"] == sb["memory_bytes_per_param"]
     from torch.distributed.checkpoint import FileSystemReader
 
-    meta = FileSystemReader(str(tmp_path / "full" / "checkpoint" / "step00000006")).read_metadata()
+    meta = FileSystemReader(str(tr / "checkpoint" / "step00000006")).read_metadata()
     chunks = meta.state_dict_metadata["optim.state.blocks.0.mlp.c_fc.weight.master"].chunks
-    assert len(chunks) == 2 and ck["optim"]["state"]["blocks.0.mlp.c_fc.weight"]["master"].shape == (128, 32)
+    assert len(chunks) == 2 and ca["optim"]["state"]["blocks.0.mlp.c_fc.weight"]["master"].shape == (128, 32)
     # DCP reshards: the same checkpoint resumes on one rank (no FSDP there: the whole tensors)
-    train_distributed(_cfg("fp8lm-o3"), tmp_path / "cut1", nproc=1, progress=False, resume=True)
-    one, two = _rows(tmp_path / "cut1"), _rows(tmp_path / "full")
-    assert [r["step"] for r in one] == list(range(1, 7)) and one[:2] == two[:2]
-    assert all(abs(x["loss"] - y["loss"]) <= 2e-3 * y["loss"] for x, y in zip(one[2:], two[2:]))
+    train_distributed(cfg, tmp_path / "cut1", nproc=1, progress=False, resume=True, run_options={**opts, "nproc": 1})
+    one = _rows(tmp_path / "cut1")
+    assert [r["step"] for r in one] == list(range(1, 7)) and [r["loss"] for r in one[:2]] == [r["loss"] for r in a[:2]]
+    assert all(abs(x["loss"] - y["loss"]) <= 2e-3 * y["loss"] for x, y in zip(one[2:], a[2:]))
 
 
 def test_one_rank_o2_resumes_bit_exactly(tmp_path):

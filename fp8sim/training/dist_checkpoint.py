@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from fp8sim.atomic_file import atomic_write
+from fp8sim.atomic_file import atomic_write, owned_dir
 from fp8sim.input_files import read_json
 
 __all__ = ["CHECKPOINT_DIR", "checkpoint_state", "load_state", "save_state", "latest_checkpoint",
@@ -128,11 +128,9 @@ def save_dcp_checkpoint(run_dir: str | os.PathLike, *, step: int, rank: int, wor
     group's, None for one process) and move ``LATEST`` to it. Returns the step's directory."""
     run = Path(run_dir)
     d = _step_dir(run, step)
-    for link in (run / CHECKPOINT_DIR, d):
-        if link.is_symlink():
-            raise ValueError(f"{link}: a symbolic link where the run's checkpoints go; refused (never followed)")
     if rank == 0:  # a checkpoint of this step left by a killed run: written again
         _remove_step_dir(d)
+        owned_dir(run, d.relative_to(run))  # made without following links (a link there: WriteError)
     if barrier is not None:
         barrier()
     save_state(d, model, optimizer, extra)

@@ -62,8 +62,9 @@ def launch_ranks(nproc: int, payload: dict, out: str) -> None:
 
 
 def _rank_failure(exc: Any, out: str) -> Exception:
-    """The one-line exception for a ChildFailedError: its first failed rank's."""
-    rank, failure = min(exc.failures.items())
+    """The one-line exception for a ChildFailedError: a rank killed by a signal first (the
+    others then fail on their broken connections to it), else the lowest failed rank's."""
+    rank, failure = min(exc.failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[0]))
     if failure.exitcode < 0:  # killed by a signal
         return _rank_died(rank, f"died of signal {failure.signal_name()}", failure.signal_name(), out)
     msg = failure.message

@@ -129,8 +129,8 @@ class Trainer:
     The one training loop, for one process and for every rank of a data-parallel run. Without
     ``data_parallel`` it trains in this process and checkpoints to ``out_dir/checkpoint.pt``. With
     a :class:`~fp8sim.training.distributed.DataParallel` it is one rank of ``world``: it trains on
-    its rows of every batch, the object does the gradient communication (DDP, FP8-LM's FP8
-    all-reduce, ZeRO) and the loop checkpoints one file per rank; rank 0 writes the metrics.
+    its rows of every batch, the object does the gradient communication (DDP with FP8-LM's FP8
+    all-reduce, FSDP2 for O3) and the loop checkpoints with DCP; rank 0 writes the metrics.
 
     ``resume=True`` continues from the run's last checkpoint; its config must equal ``cfg``
     exactly (the learning-rate schedule depends on ``steps``, batches on ``seed``, ...), or be
