@@ -53,7 +53,8 @@ class _CountingReduceScatter:
         import torch.distributed as dist
 
         self.counter["reduce_scatter"] += input_tensor.numel() * input_tensor.element_size()
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch >= 2.13: the new name
+        return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def bf16_rank(steps: int, out: str) -> None:

@@ -48,8 +48,9 @@ CONFIG_FLAGS = {
 #: refuses one given that differs (parser default None, as for :data:`CONFIG_FLAGS`)
 RUN_OPTIONS = {"record": None, "save_every": 0, "nproc": 1, "grad_scaling": None, "fp8_grads": None}
 #: ``fp8sim train`` options that change nothing a run writes: where the run is (``--out`` names
-#: it), whether this command starts or continues it, and how the summary is printed
-TRANSIENT_OPTIONS = ("out", "resume", "json")
+#: it), whether this command starts or continues it, and how the summary is printed; and where it
+#: computes (``--device``: a resume may move a run to another device, whose rounding it then has)
+TRANSIENT_OPTIONS = ("out", "resume", "json", "device")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -40,7 +40,7 @@ from fp8sim.atomic_file import atomic_write, owned_dir
 from fp8sim.input_files import read_json
 
 __all__ = ["CHECKPOINT_DIR", "checkpoint_state", "load_state", "save_state", "latest_checkpoint",
-           "save_dcp_checkpoint", "load_dcp_checkpoint"]
+           "save_dcp_checkpoint", "load_dcp_checkpoint", "read_dcp_checkpoint", "read_extra"]
 
 CHECKPOINT_DIR = "checkpoint"
 _EXTRA_STATE = "._extra_state"
@@ -65,7 +65,31 @@ def checkpoint_state(model: torch.nn.Module, optimizer: Any, extra: dict | None 
     fp8 = get_fp8_state(model)
     msd = {k: v for k, v in get_model_state_dict(model).items() if not k.endswith(_EXTRA_STATE)}
     return {"model": msd, "optim": get_optimizer_state_dict(model, optimizer) if optimizer is not None else {},
-            "fp8": to_storable(fp8.state_dict()) if fp8 is not None else {}, "extra": to_storable(extra or {})}
+            "fp8": _keep_empty(to_storable(fp8.state_dict())) if fp8 is not None else {},
+            "extra": _keep_empty(to_storable(extra or {}))}
+
+
+#: what stands for an empty dict / list in a checkpoint: DCP's flattening drops empty containers
+#: (a scaling policy's ``tensors`` before its first cast, a recorder without hypothetical casts)
+_EMPTY = {"dict": "__fp8sim_empty_dict__", "list": "__fp8sim_empty_list__"}
+
+
+def _keep_empty(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _keep_empty(v) for k, v in obj.items()} if obj else _EMPTY["dict"]
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_keep_empty(v) for v in obj) if obj else _EMPTY["list"]
+    return obj
+
+
+def _restore_empty(obj: Any) -> Any:
+    if isinstance(obj, str) and obj in _EMPTY.values():
+        return {} if obj == _EMPTY["dict"] else []
+    if isinstance(obj, dict):
+        return {k: _restore_empty(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_restore_empty(v) for v in obj)
+    return obj
 
 
 def save_state(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra: dict | None = None) -> None:
@@ -103,8 +127,25 @@ def load_state(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any) 
         set_optimizer_state_dict(model, optimizer, state["optim"])
     fp8 = get_fp8_state(model)
     if fp8 is not None:
-        fp8.load_state_dict(from_storable(plain.get("fp8", {})))
-    return from_storable(plain.get("extra", {}))
+        fp8.load_state_dict(from_storable(_restore_empty(plain.get("fp8", {}))))
+    return from_storable(_restore_empty(plain.get("extra", {})))
+
+
+def read_extra(path: str | os.PathLike) -> dict:
+    """The ``extra`` part of a :func:`save_state` checkpoint alone (nothing restored): what a
+    resume checks (config, run id, corpus) before it touches the model. ValueError naming
+    ``path`` for a checkpoint that cannot be read."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from fp8sim.training.checkpoint import from_storable
+
+    try:
+        with _one_process_is_meant():
+            plain = _load_state_dict_from_keys({"extra"}, checkpoint_id=str(path))
+    except Exception as exc:
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ValueError(f"{path}: damaged checkpoint ({text})") from None
+    return from_storable(_restore_empty(plain.get("extra", {})))
 
 
 @contextmanager
@@ -147,10 +188,7 @@ def save_dcp_checkpoint(run_dir: str | os.PathLike, *, step: int, rank: int, wor
     return d
 
 
-def load_dcp_checkpoint(run_dir: str | os.PathLike, model: torch.nn.Module, optimizer: Any) -> dict:
-    """Restore the last complete checkpoint of ``run_dir`` (see :func:`load_state`); returns its
-    ``extra`` entries with ``step`` and ``world`` from ``LATEST``."""
-    run = Path(run_dir)
+def _latest_dir(run: Path) -> tuple[Path, dict]:
     info = latest_checkpoint(run)
     if info is None:
         raise FileNotFoundError(f"{run}: no data-parallel checkpoint ({CHECKPOINT_DIR}/LATEST missing)")
@@ -160,6 +198,22 @@ def load_dcp_checkpoint(run_dir: str | os.PathLike, model: torch.nn.Module, opti
         why = ("written by an older fp8sim (one file per rank); resume it with that version" if old
                else "missing or incomplete")
         raise ValueError(f"{d}: the checkpoint LATEST names is {why}")
+    return d, info
+
+
+def read_dcp_checkpoint(run_dir: str | os.PathLike) -> dict:
+    """The plain entries of the last complete checkpoint of ``run_dir`` (config, run id, corpus,
+    RNG, options, ...) with ``step`` and ``world`` from ``LATEST``; nothing is restored."""
+    d, info = _latest_dir(Path(run_dir))
+    out = read_extra(d)
+    out.update(step=info["step"], world=info["world"])
+    return out
+
+
+def load_dcp_checkpoint(run_dir: str | os.PathLike, model: torch.nn.Module, optimizer: Any) -> dict:
+    """Restore the last complete checkpoint of ``run_dir`` (see :func:`load_state`); returns its
+    ``extra`` entries with ``step`` and ``world`` from ``LATEST``."""
+    d, info = _latest_dir(Path(run_dir))
     out = load_state(d, model, optimizer)
     out.update(step=info["step"], world=info["world"])
     return out

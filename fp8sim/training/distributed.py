@@ -297,16 +297,23 @@ class DataParallel:
         save_dcp_checkpoint(out, step=step, rank=self.rank, world=self.world, model=self.model,
                             optimizer=self.optimizer, extra=extra, barrier=self.barrier if self.world > 1 else None)
 
-    def load_checkpoint(self, out: os.PathLike) -> dict:
+    def read_checkpoint(self, out: os.PathLike) -> dict:
+        """The plain entries (``step``, ``world``, ``config``, ``run_id``, ``corpus``, ``rng``, ...)
+        of the last complete checkpoint in ``out``, its options checked; nothing restored."""
+        from fp8sim.training.dist_checkpoint import read_dcp_checkpoint
+
+        ck = read_dcp_checkpoint(out)
+        if ck.get("options") != self.options():
+            raise ValueError(f"--resume: {out} was trained with {ck.get('options')}, not {self.options()}")
+        return ck
+
+    def restore_checkpoint(self, out: os.PathLike) -> None:
         """Restore the last complete checkpoint in ``out`` into the model, the optimizer, the FP8
-        state and the reducer; returns its plain entries (``step``, ``world``, ``config``, ...)."""
+        state and the reducer (a collective)."""
         from fp8sim.training.dist_checkpoint import load_dcp_checkpoint
 
         ck = load_dcp_checkpoint(out, self.model, self.optimizer)
-        if ck.get("options") != self.options():
-            raise ValueError(f"--resume: {out} was trained with {ck.get('options')}, not {self.options()}")
         self.reducer.load_state_dict(ck["reducer"])
-        return ck
 
     # -- the summary ------------------------------------------------------------------------------
     def memory(self) -> list[dict]:
@@ -409,8 +416,9 @@ def train_distributed(
     else:
         from fp8sim.training.launch import launch_ranks
 
-        if resume:  # what can be refused before starting ranks (read only: rank 0 decides again)
-            _check_resume_world(out, opts, world)
+        # this process is the run's one writer: it decides how the run starts (and says it, e.g.
+        # a restart) before the ranks exist, and they take its decision
+        opts["decided"] = list(_start_run(out, cfg.to_dict(), opts, world))
         launch_ranks(world, {"cfg": cfg.to_dict(), "out": str(out), "opts": opts}, str(out))
     from fp8sim.training.run_dir import read_summary
 
@@ -472,6 +480,9 @@ def _agree_on_start(rank: int, world: int, cfg_dict: dict, out: str, opts: dict)
     of its own type."""
     from pathlib import Path
 
+    if opts.get("decided"):  # decided by the launcher (``--nproc``) before the ranks started
+        start, run_id = opts["decided"]
+        return start, run_id
     decision: list = [None]
     if rank == 0:
         try:

@@ -53,7 +53,7 @@ def launch_ranks(nproc: int, payload: dict, out: str) -> None:
     with tempfile.TemporaryDirectory(prefix="fp8sim-launch-") as d:
         path = os.path.join(d, "payload.json")
         with open(path, "w") as f:
-            json.dump(payload, f)
+            json.dump({**payload, "launcher_pid": os.getpid()}, f)
         try:
             with _quiet_elastic():
                 elastic_launch(config, sys.executable)("-m", "fp8sim.training.launch", path)
@@ -122,6 +122,21 @@ def exit_rank(code: int = 0) -> None:
     os._exit(code)
 
 
+def _end_with_launcher(launcher_pid: int) -> None:
+    """Have the kernel kill this worker when its launcher dies (Linux ``PR_SET_PDEATHSIG``): a
+    launcher killed outright (SIGKILL) cannot stop its ranks, and they would train on with no
+    one to report to. The launcher already gone by now: end at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != launcher_pid:
+        os._exit(1)
+
+
 def _worker(path: str) -> None:
     """A worker of :func:`launch_ranks`: run the rank from torchrun's environment; a failure is
     written to torchelastic's error file (read by the launcher) instead of a traceback."""
@@ -131,6 +146,7 @@ def _worker(path: str) -> None:
 
     with open(path) as f:
         payload = json.load(f)
+    _end_with_launcher(payload["launcher_pid"])
     try:
         rank, world = torchrun_env()
         run_rank(rank, world, payload["cfg"], payload["out"], payload["opts"])

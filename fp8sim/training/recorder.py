@@ -428,7 +428,7 @@ class Recorder:
     def load_state_dict(self, d: dict) -> None:
         self.step = int(d["step"])
         self._deferred.clear()
-        for role, sd in d.get("policies", {}).items():  # a checkpoint (DCP) drops an empty dict
+        for role, sd in d["policies"].items():
             if role in self.quantizers:
                 self.quantizers[role].load_state_dict(sd)
 

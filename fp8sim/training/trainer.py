@@ -232,7 +232,7 @@ class Trainer:
             from fp8sim.training.dist_checkpoint import CHECKPOINT_DIR, latest_checkpoint
 
             where = self.out / CHECKPOINT_DIR / f"step{latest_checkpoint(self.out)['step']:08d}"
-            ck = self.dp.load_checkpoint(self.out)  # model, optimizer, FP8 state, reducer: restored
+            ck = self.dp.read_checkpoint(self.out)  # its plain entries, checked before anything is restored
         try:
             written_by = stored_config(ck["config"], like=self.cfg)
         except (ConfigError, TypeError) as exc:
@@ -256,6 +256,8 @@ class Trainer:
                 self.optimizer.load_state_dict(ck["optimizer"])
                 if self.fp8 is not None:
                     self.fp8.load_state_dict(ck["policies"])
+            else:  # model, optimizer, FP8 state, reducer (DCP reshards them)
+                self.dp.restore_checkpoint(self.out)
             restore_rng(ck["rng"])
             _check_restored(self.optimizer)
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError,
