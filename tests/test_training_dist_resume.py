@@ -113,7 +113,7 @@ O3_FLAGS = ["--recipe", "fp8lm-o3", "--steps", "6", "--batch-size", "8", "--lr",
 
 def test_torchrun_of_the_cli_trains_as_nproc_and_resumes_under_torchrun_and_on_one_rank(tmp_path):
     from fp8sim.cli import build_parser
-    from fp8sim.training.commands import config_from_args, options_from_args
+    from fp8sim.commands.train import config_from_args, options_from_args
 
     args = build_parser().parse_args(["train", *O3_FLAGS])
     cfg, opts = config_from_args(args), {**options_from_args(args), "nproc": 2}
