@@ -62,20 +62,35 @@ def launch_ranks(nproc: int, payload: dict, out: str) -> None:
 
 
 def _rank_failure(exc: Any, out: str) -> Exception:
-    """The one-line exception for a ChildFailedError: a rank killed by a signal first (the
-    others then fail on their broken connections to it), else the lowest failed rank's."""
-    rank, failure = min(exc.failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[0]))
+    """The one-line exception for a ChildFailedError, from the rank that says most about the
+    cause: one killed from outside by a signal (the others then fail on their broken connections
+    to it), else one with bad input, else one with another error, else one the launcher stopped
+    (SIGTERM) or that exited without a word; the lowest rank among equals."""
+    rank, failure = min(exc.failures.items(), key=lambda kv: (_cause_rank(kv[1]), kv[0]))
     if failure.exitcode < 0:  # killed by a signal
         return _rank_died(rank, f"died of signal {failure.signal_name()}", failure.signal_name(), out)
-    msg = failure.message
-    if isinstance(msg, dict):
-        msg = msg.get("message", "")
-    name, _, text = str(msg).partition(": ")
+    msg = _message(failure)
+    name, _, text = msg.partition(": ")
     if not text:  # no error file: the rank exited without a word
         return _rank_died(rank, f"exited with code {failure.exitcode}", "", out)
     if name.rsplit(".", 1)[-1] in INPUT_ERRORS:
         return ValueError(text)
     return RuntimeError(f"rank {rank}: {msg}")
+
+
+def _message(failure: Any) -> str:
+    msg = failure.message
+    return str(msg.get("message", "") if isinstance(msg, dict) else msg)
+
+
+def _cause_rank(failure: Any) -> int:
+    """How much a failure says about the cause (0: most; see :func:`_rank_failure`)."""
+    if failure.exitcode < 0:
+        return 3 if failure.signal_name() == "SIGTERM" else 0
+    name, _, text = _message(failure).partition(": ")
+    if not text:
+        return 3
+    return 1 if name.rsplit(".", 1)[-1] in INPUT_ERRORS else 2
 
 
 def _rank_died(rank: int, how: str, signal_name: str, out: str) -> RankDied:
