@@ -23,3 +23,13 @@ timeout "${PYTEST_S:-150}" $PY -m pytest -q -p no:cacheprovider tests/test_kerne
 echo "pytest: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"; t0=$SECONDS
 timeout "${BENCH_S:-100}" $PY benchmarks/bench_kernels.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} 2>&1 | tee "$OUT/bench_kernels.txt"
 echo "bench_kernels: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"
+# issue 29: training on the GPU -- the tiny GPT with --device cuda on the triton and the emulator
+# backend (te-delayed, mx, nvfp4): step-1 FP8 codes identical, losses within 1e-3, tokens/s of
+# each; then the CLI itself with --device cuda
+if [ "$ONLY" = all ]; then
+  t0=$SECONDS
+  timeout "${TRAIN_S:-240}" $PY benchmarks/gpu_train_check.py --steps "${TRAIN_STEPS:-40}" --json "$OUT/gpu_train_check.json" 2>&1 | tee "$OUT/gpu_train_check.log"
+  echo "gpu_train_check: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"; t0=$SECONDS
+  timeout "${CLI_S:-120}" $PY -m fp8sim train --device cuda --recipe te-current --backend triton --steps 20 --eval-every 0 --out "$OUT/cli-cuda-run" --json 2>&1 | tail -3 | tee "$OUT/cli_cuda.log"
+  echo "train --device cuda: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"
+fi

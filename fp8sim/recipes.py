@@ -701,7 +701,7 @@ class FP8LMRecipe(Recipe):
         return f"FP8-LM O{self.level}: " + {
             1: "FP8 GEMMs, E4M3 weight gradients, FP8 gradient all-reduce with AutoScale",
             2: "O1 + FP8-LM Adam: E4M3 first moment, FP16 second moment, FP16 master weights (scaled)",
-            3: "O2 + E4M3 weights sharded ZeRO-style with their FP16 masters (whole tensors, greedy)"}[self.level]
+            3: "O2 + FSDP2: E4M3 weight all-gather, FP8 reduce-scatter, masters and Adam states sharded"}[self.level]
 
 
 @dataclass(frozen=True)

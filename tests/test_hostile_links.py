@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from fp8sim import cli
 from fp8sim.atomic_file import WriteError, append_line, atomic_write
@@ -71,7 +72,7 @@ def test_a_link_in_a_trace_is_refused(tmp_path):
 
 
 def test_a_link_for_a_data_parallel_checkpoint_directory_is_refused(tmp_path):
-    from fp8sim.training.dist_checkpoint import save_rank_checkpoint
+    from fp8sim.training.dist_checkpoint import save_dcp_checkpoint
 
     folder = tmp_path / "folder"
     folder.mkdir()
@@ -79,7 +80,8 @@ def test_a_link_for_a_data_parallel_checkpoint_directory_is_refused(tmp_path):
     run.mkdir()
     (run / "checkpoint").symlink_to(folder)
     with pytest.raises(WriteError, match=f"{run / 'checkpoint'} is a symbolic link where fp8sim keeps"):
-        save_rank_checkpoint(run, step=2, rank=0, world=1, payload={"x": 1})
+        save_dcp_checkpoint(run, step=2, rank=0, world=1, model=torch.nn.Linear(2, 2), optimizer=None,
+                            extra={"x": 1})
     assert list(folder.iterdir()) == []
 
 

@@ -75,14 +75,19 @@ def test_a_listed_folder_is_cleared_exactly(tmp_path):
         clear_listed(root, ".list", "test-report", "--out")
 
 
-def test_old_checkpoint_steps_lose_only_their_rank_files(tmp_path):
-    from fp8sim.training.dist_checkpoint import save_rank_checkpoint
+def test_old_checkpoint_steps_lose_only_their_checkpoint_files(tmp_path):
+    import torch
 
-    save_rank_checkpoint(tmp_path, step=1, rank=0, world=1, payload={"x": 1})
-    (tmp_path / "checkpoint" / "step00000001" / "notes.txt").write_text("mine")
-    save_rank_checkpoint(tmp_path, step=2, rank=0, world=1, payload={"x": 2})
-    assert sorted(p.name for p in (tmp_path / "checkpoint" / "step00000001").iterdir()) == ["notes.txt"]
-    assert (tmp_path / "checkpoint" / "step00000002" / "rank0.pt").is_file()
+    from fp8sim.training.dist_checkpoint import save_dcp_checkpoint
+
+    net = torch.nn.Linear(2, 2)
+    save_dcp_checkpoint(tmp_path, step=1, rank=0, world=1, model=net, optimizer=None, extra={"x": 1})
+    first = tmp_path / "checkpoint" / "step00000001"
+    assert ".metadata" in {p.name for p in first.iterdir()}  # DCP's files, removed below
+    (first / "notes.txt").write_text("mine")
+    save_dcp_checkpoint(tmp_path, step=2, rank=0, world=1, model=net, optimizer=None, extra={"x": 2})
+    assert sorted(p.name for p in first.iterdir()) == ["notes.txt"]
+    assert (tmp_path / "checkpoint" / "step00000002" / ".metadata").is_file()
 
 
 def test_an_overwritten_trace_loses_only_its_own_files(tmp_path):

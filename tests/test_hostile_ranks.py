@@ -19,7 +19,8 @@ SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "1", "--block-size", "1
 
 
 def _spawned_ranks(pid: int) -> list[int]:
-    """The launcher's children that run a rank (multiprocessing's spawn), not its resource tracker."""
+    """The launcher's children that run a rank (torchrun's elastic launcher starts them as
+    ``python -m fp8sim.training.launch``)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -29,7 +30,7 @@ def _spawned_ranks(pid: int) -> list[int]:
             cmdline = open(f"/proc/{entry}/cmdline").read()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "spawn_main" in cmdline:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "fp8sim.training.launch" in cmdline:
             out.append(int(entry))
     return sorted(out)
 
@@ -64,4 +65,4 @@ def test_a_rank_killed_from_outside_is_said_in_one_line_and_resume_continues(tmp
     # tested bit for bit in test_training_dist_resume.py)
     latest = json.loads((out / "checkpoint" / "LATEST").read_text())
     assert f"from its last checkpoint (step {latest['step']})" in lines[1]
-    assert sorted(os.listdir(out / "checkpoint" / f"step{latest['step']:08d}")) == ["rank0.pt", "rank1.pt"]
+    assert ".metadata" in os.listdir(out / "checkpoint" / f"step{latest['step']:08d}")  # complete (DCP)

@@ -1,16 +1,21 @@
-"""Checkpoint/resume of data-parallel and FP8-LM runs: a run stopped after a step and resumed
-from its last checkpoint writes the same losses, bit for bit, and ends in the same state (every
-rank's policies, AutoScale state, optimizer shard, model) as the run that never stopped."""
+"""Checkpoint/resume of data-parallel and FP8-LM runs (torch.distributed.checkpoint): a run
+stopped after a step and resumed from its last checkpoint -- under real torchrun, or in one
+process -- writes the same losses, bit for bit, and ends in the same state (FP8 policies,
+AutoScale, optimizer shards, model) as the run that never stopped under ``--nproc``."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from fp8sim.training.dist_checkpoint import latest_checkpoint, load_rank_checkpoint
+from fp8sim.training.dist_checkpoint import latest_checkpoint
 from fp8sim.training.distributed import train_distributed
 from tests.conftest import tiny_train_config
 
@@ -44,7 +49,28 @@ def _assert_same(a, b, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
-def _stop_resume_and_compare(tmp_path, recipe: str, nproc: int, record: bool = False) -> None:
+def _checkpoint(run) -> dict:
+    """The whole last checkpoint of a run directory, read in this process (DCP, no process group)."""
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    step = latest_checkpoint(run)["step"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return _load_state_dict_from_keys(checkpoint_id=str(run / "checkpoint" / f"step{step:08d}"))
+
+
+def _torchrun(*args: str) -> None:
+    """``torchrun --standalone --nproc-per-node 2 -m fp8sim train ARGS`` (real torchrun)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fp8sim", "train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _stop_resume_and_compare(tmp_path, recipe: str, nproc: int, record: bool = False):
     cfg = _cfg(recipe)
     full, cut = tmp_path / "full", tmp_path / "cut"
     rec = ({"record": tmp_path / "trace-full", "save_every": 2}, {"record": tmp_path / "trace-cut", "save_every": 2})
@@ -68,24 +94,64 @@ def _stop_resume_and_compare(tmp_path, recipe: str, nproc: int, record: bool = F
     assert [r["step"] for r in b] == list(range(1, 7))  # step 3 was run again, logged once
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in a] == [r[key] for r in b], key
-    for rank in range(nproc):
-        ca, cb = load_rank_checkpoint(full, rank), load_rank_checkpoint(cut, rank)
-        assert ca["step"] == cb["step"] == 6
-        for key in ("policies", "reducer", "optimizer", "model"):
-            _assert_same(ca[key], cb[key], f"rank{rank}.{key}")
-        _assert_same(ca["rng"]["torch"], cb["rng"]["torch"], f"rank{rank}.rng")  # Python's is unseeded
+    ca, cb = _checkpoint(full), _checkpoint(cut)
+    for key in ("model", "optim", "fp8"):
+        _assert_same(ca[key], cb[key], key)
+    _assert_same(ca["extra"]["reducer"], cb["extra"]["reducer"], "reducer")
+    _assert_same(ca["extra"]["rng"]["torch"], cb["extra"]["rng"]["torch"], "rng")  # Python's is unseeded
     sa, sb = (json.loads((d / "run.json").read_text()) for d in (full, cut))
     assert sa["final_loss"] == sb["final_loss"] and sa["steps_done"] == sb["steps_done"] == 6
     assert sa["memory_bytes_per_param"] == sb["memory_bytes_per_param"]
+    return ca
 
 
-def test_two_rank_o3_resumes_bit_exactly(tmp_path):
-    # O3: each rank's optimizer shard, E4M3 weights regathered from the masters, AutoScale's mu
-    _stop_resume_and_compare(tmp_path, "fp8lm-o3", 2)
-    ranks = [load_rank_checkpoint(tmp_path / "cut", r) for r in (0, 1)]
-    assert ranks[0]["model"] is not None and ranks[1]["model"] is None  # the model once (rank 0)
-    owned = [set(c["optimizer"]["state"]) for c in ranks]
-    assert all(owned)  # both ranks hold a non-empty shard of the optimizer state
+#: ``fp8sim train`` flags of a 2-rank FP8-LM O3 run (6 steps, checkpoints every 2)
+O3_FLAGS = ["--recipe", "fp8lm-o3", "--steps", "6", "--batch-size", "8", "--lr", "0.01", "--warmup", "2",
+            "--eval-every", "0", "--checkpoint-every", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+            "--block-size", "32"]  # fmt: skip
+
+
+def test_torchrun_of_the_cli_trains_as_nproc_and_resumes_under_torchrun_and_on_one_rank(tmp_path):
+    from fp8sim.cli import build_parser
+    from fp8sim.commands.train import config_from_args, options_from_args
+
+    args = build_parser().parse_args(["train", *O3_FLAGS])
+    cfg, opts = config_from_args(args), {**options_from_args(args), "nproc": 2}
+    tr, cut = tmp_path / "torchrun", tmp_path / "cut"
+    # real torchrun, fresh: rank 0 alone creates the run directory and writes config.json
+    _torchrun(*O3_FLAGS, "--out", str(tr))
+    # --nproc 2 (torchrun's elastic launcher in this process), stopped after step 3 as if killed
+    train_distributed(cfg, cut, nproc=2, progress=False, stop_after=3, run_options=opts)
+    assert latest_checkpoint(cut) == {"step": 2, "world": 2}
+    assert [d.name for d in (cut / "checkpoint").glob("step*")] == ["step00000002"]
+    a, b = _rows(tr), _rows(cut)
+    assert [r["step"] for r in b] == [1, 2, 3] and not (cut / "run.json").exists()
+    for key in ("loss", "grad_norm", "lr", "comm_bytes", "allreduce"):  # torchrun == --nproc 2, bit for bit
+        assert [r[key] for r in a[:3]] == [r[key] for r in b], key
+    shutil.copytree(cut, tmp_path / "cut1")  # resumed on 1 rank below
+    _torchrun("--resume", "--out", str(cut))  # every option from the run's config.json
+    b = _rows(cut)
+    assert [r["step"] for r in b] == list(range(1, 7))  # step 3 was run again, logged once
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    # FSDP2's shards, the FP16 masters and Adam states, FP8 state and AutoScale's mu, bit for bit
+    ca, cb = _checkpoint(tr), _checkpoint(cut)
+    for key in ("model", "optim", "fp8"):
+        _assert_same(ca[key], cb[key], key)
+    _assert_same(ca["extra"]["reducer"], cb["extra"]["reducer"], "reducer")
+    sa, sb = (json.loads((d / "run.json").read_text()) for d in (tr, cut))
+    assert sa["final_loss"] == sb["final_loss"] and sa["steps_done"] == sb["steps_done"] == 6
+    assert sa["memory_bytes_per_param"] == sb["memory_bytes_per_param"]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(tr / "checkpoint" / "step00000006")).read_metadata()
+    chunks = meta.state_dict_metadata["optim.state.blocks.0.mlp.c_fc.weight.master"].chunks
+    assert len(chunks) == 2 and ca["optim"]["state"]["blocks.0.mlp.c_fc.weight"]["master"].shape == (128, 32)
+    # DCP reshards: the same checkpoint resumes on one rank (no FSDP there: the whole tensors)
+    train_distributed(cfg, tmp_path / "cut1", nproc=1, progress=False, resume=True, run_options={**opts, "nproc": 1})
+    one = _rows(tmp_path / "cut1")
+    assert [r["step"] for r in one] == list(range(1, 7)) and [r["loss"] for r in one[:2]] == [r["loss"] for r in a[:2]]
+    assert all(abs(x["loss"] - y["loss"]) <= 2e-3 * y["loss"] for x, y in zip(one[2:], a[2:]))
 
 
 def test_one_rank_o2_resumes_bit_exactly(tmp_path):
@@ -108,8 +174,10 @@ def test_resume_refuses_a_different_run(tmp_path):
     train_distributed(cfg, run, progress=False)
     with pytest.raises(ValueError, match="already holds a run"):
         train_distributed(cfg, run, progress=False)
-    with pytest.raises(ValueError, match="checkpointed by 1 ranks, not 2"):
-        train_distributed(_cfg("fp8lm-o1", steps=4), run, nproc=2, progress=False, resume=True)
+    recorded = tmp_path / "recorded"
+    train_distributed(cfg, recorded, record=tmp_path / "trace", progress=False)
+    with pytest.raises(ValueError, match="recorded by 1 ranks .* resume it with 1 ranks"):
+        train_distributed(cfg, recorded, nproc=2, record=tmp_path / "trace", progress=False, resume=True)
     with pytest.raises(ValueError, match="different config"):
         train_distributed(_cfg("fp8lm-o1", steps=4), run, progress=False, resume=True)
     with pytest.raises(ValueError, match="trained with"):

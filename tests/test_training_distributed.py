@@ -1,6 +1,6 @@
 """FP8-LM on torch.distributed, 2 processes over gloo: the FP8 all-reduce against the float32
-all-reduce of the dequantized gradients, the DDP hook, 1-rank vs 2-rank gradients, O1/O2/O3
-training, byte counts. One spawned session runs every check (process start-up dominates)."""
+all-reduce of the dequantized gradients, the DDP hook, 1-rank vs 2-rank gradients, O1/O2 (DDP)
+and O3 (FSDP2) training, byte counts. One launch runs every check (process start-up dominates)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,11 @@ import torch
 import fp8sim
 from fp8sim.training.distributed import CommCounter, Fp8GradReducer, memory_breakdown, ring_bytes
 from tests.conftest import tiny_train_config
+from tests.dist_harness import run_ranks
 
 WORLD = 2
 E4M3 = fp8sim.get_format("e4m3")
 SHAPES = {"a.weight": (37, 24), "b.weight": (16, 5)}  # odd sizes: the uint8 payload needs padding
-
-
-OWNERS = {"a.weight": 1, "b.weight": 0, "a.bias": 0}
 
 
 def _grads(rank: int) -> dict[str, torch.Tensor]:
@@ -35,23 +33,6 @@ def _tiny_cfg(recipe: str, steps: int = 8):
     return tiny_train_config(recipe, steps=steps)
 
 
-def _session(rank: int, world: int, tmp: str, init_file: str) -> None:
-    """Everything that needs 2 ranks; results saved to tmp/rank{r}.pt for the parent's asserts."""
-    import numba
-
-    from fp8sim.training.distributed import init_process_group, leave_process_group
-    from fp8sim.training.spawn import exit_rank
-
-    torch.set_num_threads(1)
-    numba.set_num_threads(1)
-    init_process_group(rank, world, init_file)
-    try:
-        torch.save(_session_checks(rank, world, tmp), os.path.join(tmp, f"rank{rank}.pt"))
-    finally:
-        leave_process_group()
-    exit_rank()  # no interpreter shutdown with gloo's threads alive: see exit_rank
-
-
 def _rank_run(rank: int, world: int, cfg, out: str, **options):
     """One rank's training loop, a fresh run in ``out``."""
     from fp8sim.training.distributed import DataParallel
@@ -60,8 +41,10 @@ def _rank_run(rank: int, world: int, cfg, out: str, **options):
     return Trainer(cfg, out, data_parallel=DataParallel(rank, world, **options), start="fresh")
 
 
-def _session_checks(rank: int, world: int, tmp: str) -> dict:
+def _session_checks(rank: int, world: int, tmp) -> dict:
     import torch.distributed as dist
+
+    from fp8sim.training.fsdp_fp8 import local_data
 
     res: dict = {}
 
@@ -81,16 +64,6 @@ def _session_checks(rank: int, world: int, tmp: str) -> dict:
     red_z = Fp8GradReducer(params.items(), set(SHAPES), world=world)
     red_z.reduce([(params[n], zg[n]) for n in SHAPES])
     res["zero_rank_sinv"] = {n: float(red_z.stash[id(params[n])][1]) for n in SHAPES}
-
-    # 1b. ZeRO owners: each gradient reduced onto its owner only, the same codes as the all-reduce
-    everything = set(grads)  # every gradient in FP8 (fp8_grads=all)
-    red_all = Fp8GradReducer(params.items(), everything, world=world)
-    c_own = CommCounter(world)
-    red_own = Fp8GradReducer(params.items(), everything, world=world, owners=OWNERS, counter=c_own)
-    items = [(params[n], grads[n]) for n in grads]
-    res["owners"] = {"all": red_all.reduce(items), "own": red_own.reduce(items), "bytes": c_own.pop(),
-                     "mu_all": {n: red_all.policy.mu(n) for n in grads}, "mu_own": {n: red_own.policy.mu(n) for n in grads},
-                     "stashed": sorted(n for n in grads if id(params[n]) in red_own.stash)}
 
     # 2. the DDP hook gives what reduce() gives on the local gradients
     torch.manual_seed(0)
@@ -117,6 +90,10 @@ def _session_checks(rank: int, world: int, tmp: str) -> dict:
         if run is None:
             continue
         run.forward_backward(1)  # this rank's rows of batch 1; gradients reduced over the ranks
+        if name == "one":  # one rank: the FP8 quantization of the all-reduce runs in the optimizer step
+            items = [(p, p.grad) for p in run.params]
+            for (p, _), g in zip(items, run.dp.reducer.reduce(items)):
+                p.grad = g
         res["grads"][name] = {n: p.grad.clone() for n, p in run.model.named_parameters()}
         if name == "two":
             res["grads"]["fp8_names"] = sorted(run.dp.fp8_names)
@@ -126,11 +103,9 @@ def _session_checks(rank: int, world: int, tmp: str) -> dict:
     for level in (1, 2, 3):
         run = _rank_run(rank, world, _tiny_cfg(f"fp8lm-o{level}"), os.path.join(tmp, f"o{level}"))
         run.run(progress=False)
-        if level == 3:
-            zero = run.dp.zero
-            res["zero"] = {"owned": sorted(n for (n, _), o in zip(zero.params, zero.owner) if o == rank),
-                           "weights": {n: p.detach().clone() for n, p in run.model.named_parameters()},
-                           "codes": dict(zero.codes), "loads": zero.loads()}
+        if level == 3:  # FSDP2: each rank holds its rows of every tensor
+            res["o3"] = {"full": {n: p.detach().full_tensor() for n, p in run.model.named_parameters()},
+                         "local": {n: local_data(p).clone() for n, p in run.model.named_parameters()}}
     # 4b. the global gradient norm (for clipping) of O3, whose gradients live on their owners,
     # against O2's, whose every rank holds all of them: step 1, both gradient scopes
     res["norms"] = {}
@@ -147,12 +122,8 @@ def _session_checks(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     tmp = tmp_path_factory.mktemp("dist")
-    mp.spawn(_session, args=(WORLD, str(tmp), str(tmp / "store")), nprocs=WORLD, join=True)
-    res = [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
-    return tmp, res
+    return tmp, run_ranks(_session_checks, WORLD, tmp)
 
 
 def _half_ulp_e4m3(y: torch.Tensor) -> torch.Tensor:
@@ -212,25 +183,6 @@ def test_bytes_sent_per_rank(session):
     assert (b["wgrad_fp8"] + b["scales"]) / b["wgrad_bf16_equiv"] <= 0.55
 
 
-def test_reduce_to_owners_gives_the_owner_the_all_reduce_result(session):
-    _, res = session
-    names = list(_grads(0))
-    for r in range(WORLD):
-        o = res[r]["owners"]
-        for name, got, want in zip(names, o["own"], o["all"]):
-            if OWNERS[name] == r:  # the owner: bit for bit the all-reduce's gradient
-                assert torch.equal(got, want), name
-            else:  # the others hold nothing for it
-                assert not got.any(), name
-        assert o["stashed"] == sorted(n for n in names if OWNERS[n] == r)
-        assert o["mu_own"] == o["mu_all"]  # AutoScale identical on every rank (owners' counts shared)
-        # one uneven all_to_all: every byte for another owner is sent once; no all_gather
-        numel = {n: math.prod(g.shape) for n, g in _grads(0).items()}
-        sent = sum(v for n, v in numel.items() if OWNERS[n] != r)
-        assert o["bytes"]["wgrad_fp8"] == sent and o["bytes"]["wgrad_bf16_equiv"] == 2 * sent
-        assert o["bytes"]["scales"] == 2 * ring_bytes("all_reduce", 4 * len(names), WORLD)  # scales + at-max counts
-
-
 def test_ddp_hook_matches_direct_reduce(session):
     _, res = session
     for r in range(WORLD):
@@ -274,15 +226,16 @@ def test_o1_o2_o3_train_with_decreasing_loss(session):
             whole = run["memory_bytes_per_param"]  # every parameter (fp8_grads=all), per-tensor scalars aside
             n_tensors = 2 + 12 * 1 + 2  # wte, wpe; 12 per block; ln_f
             assert whole["fp8lm"] == pytest.approx(6 + 28 * n_tensors / whole["parameters"], abs=1e-9), whole
-        if level == 3:  # E4M3 weights on every rank; gradients, masters and moments sharded
-            assert all(1 <= m["weights"] <= 1.01 and 0 < m["grads"] < 1 for m in ranks), ranks
-            assert 1 <= sum(m["grads"] for m in ranks) <= 1.01
+        if level == 3:  # FSDP2: the float32 weights, the gradients, masters and moments all sharded
+            assert run["engine"] == "fsdp2"
+            assert all(m["weights"] == 2 and 0 < m["grads"] < 1 for m in ranks), ranks
+            assert 1 <= sum(m["grads"] for m in ranks) <= 1.01  # E4M3 codes (+ a scale per tensor)
             assert 5 <= sum(m["master"] + m["optimizer"] for m in ranks) <= 5.02
-            # the FP8 gradients go to their owners only: (N-1)/N of the payload, no all-gather
+            # FP8 reduce-scatter: (N-1)/N of the codes, no all-gather of gradients
             c = run["comm_bytes_per_step"]
             assert c["wgrad_fp8"] < 0.75 * json.loads((tmp / "o2" / "run.json").read_text())["comm_bytes_per_step"][
                 "wgrad_fp8"]
-            assert c["wgrad_bf16_equiv"] == 2 * c["wgrad_fp8"]
+            assert c["wgrad_bf16_equiv"] == 2 * c["wgrad_fp8"] and c["weights"] > 0
     bf16 = json.loads((tmp / "bf16" / "run.json").read_text())
     assert bf16["memory_bytes_per_param"]["fp8lm"] == pytest.approx(16, abs=0.01)
     o2 = json.loads((tmp / "o2" / "run.json").read_text())
@@ -299,15 +252,13 @@ def test_o3_gradient_norm_from_owned_shards_equals_the_replicated_norm(session):
             assert o3 == pytest.approx(o2, rel=1e-6), (scope, o2, o3)
 
 
-def test_zero_weights_identical_on_ranks_and_sharded_by_algorithm_1(session):
+def test_o3_weights_are_sharded_by_fsdp2_and_identical_on_every_rank(session):
     _, res = session
-    z0, z1 = res[0]["zero"], res[1]["zero"]
-    assert set(z0["owned"]).isdisjoint(z1["owned"]) and z0["loads"] == z1["loads"]
-    for n in z0["weights"]:
-        assert torch.equal(z0["weights"][n], z1["weights"][n])
-    for n, c in z0["codes"].items():
-        assert c.dtype == torch.uint8 and torch.equal(c, z1["codes"][n])
-    assert max(z0["loads"]) - min(z0["loads"]) <= max(math.prod(w.shape) for w in z0["weights"].values())
+    a, b = res[0]["o3"], res[1]["o3"]
+    for n, w in a["full"].items():
+        assert torch.equal(w, b["full"][n]), n
+        rows = -(-w.shape[0] // WORLD)
+        assert torch.equal(a["local"][n], w[:rows]) and torch.equal(b["local"][n], w[rows:]), n
 
 
 def test_one_process_reducer_and_memory_without_collectives():

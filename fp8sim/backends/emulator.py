@@ -1,7 +1,8 @@
 """The emulator backend: the numba emulator behind the backend interface -- the reference.
 
 Casts go through ``fp8sim.encode`` / ``fp8sim.decode`` on the CPU (tensors on another device are
-copied to the CPU and the results copied back); the GEMM sums exactly decoded operands in float64
+copied to the CPU and the results copied back; the first such copy in a process says so once, a
+``UserWarning``: use the triton backend to keep a GPU run on the GPU); the GEMM sums exactly decoded operands in float64
 and rounds once (``accumulate="float64"``, the default) or, with ``accumulate="float32"``, hands
 the exactly decoded float32 operands to :func:`fp8sim.backends.base.mm_float32`, the one float32
 GEMM the torch backend calls too (see :mod:`fp8sim.backends.base`); the Adam step runs its
@@ -35,6 +36,25 @@ from fp8sim.formats import FloatFormat, get_format
 
 __all__ = ["EmulatorBackend", "adam_reference"]
 
+_said_host_copy = False
+
+
+def _host(t: torch.Tensor, *, own: bool = True) -> torch.Tensor:
+    """``t`` on the CPU, detached. A tensor on another device is copied (said once per process,
+    a UserWarning). ``own=True`` (default): never the caller's storage -- numpy is about to see
+    it, which pins a storage for good (FSDP2 could no longer free an all-gathered weight);
+    ``own=False`` for a temporary of the backend's own."""
+    global _said_host_copy
+    if t.device.type != "cpu":
+        if not _said_host_copy:
+            _said_host_copy = True
+            import warnings
+
+            warnings.warn(f"fp8sim: the emulator backend computes on the CPU: tensors on {t.device} are copied "
+                          "through the host and back (the triton backend runs on the GPU)", UserWarning, stacklevel=3)
+        return t.detach().cpu()
+    return t.detach().clone() if own else t.detach()
+
 
 class EmulatorBackend(Backend):
     """Bit-exact reference backend (numba emulator, CPU)."""
@@ -46,7 +66,7 @@ class EmulatorBackend(Backend):
     def _quantize(self, x: torch.Tensor, spec: CastSpec, scale: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         y = x.detach().to(torch.float32) * scale  # float32 product, rounded once
-        codes = encode(y.cpu(), spec.fmt, **spec.encode_kwargs())
+        codes = encode(_host(y, own=False), spec.fmt, **spec.encode_kwargs())
         return codes.to(x.device), reciprocal(scale), amax_f32(x)
 
     def dequantize(
@@ -59,13 +79,13 @@ class EmulatorBackend(Backend):
         fmt = get_format(fmt)
         codes = check_codes(codes, fmt)
         s = as_scale(scale_inv, tuple(codes.shape), torch.device("cpu"), "scale_inv")
-        values = decode(codes.detach().cpu(), fmt) * s
+        values = decode(_host(codes), fmt) * s
         return values.to(out_dtype).to(codes.device)
 
     def decode(self, codes: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
         fmt = get_format(fmt)
         codes = check_codes(codes, fmt)
-        return decode_in_order(decode, codes.detach().cpu(), fmt).to(codes.device)
+        return decode_in_order(decode, _host(codes), fmt).to(codes.device)
 
     def _block_quantize(self, x: torch.Tensor, spec: CastSpec, gran: Any, *,
                         margin: float, pow2: bool, epsilon: float
@@ -73,7 +93,7 @@ class EmulatorBackend(Backend):
         """``fp8sim.scaling.quantize_scaled`` (just-in-time scales) on torch tensors."""
         from fp8sim.scaling import quantize_scaled
 
-        st = quantize_scaled(x.detach().cpu(), spec.fmt, gran, margin=margin, pow2=pow2,
+        st = quantize_scaled(_host(x), spec.fmt, gran, margin=margin, pow2=pow2,
                              epsilon=epsilon, **spec.encode_kwargs())
         dev = x.device
         return (torch.from_numpy(st.codes).to(dev),
@@ -87,7 +107,7 @@ class EmulatorBackend(Backend):
 
         if isinstance(global_amax, torch.Tensor):
             global_amax = float(global_amax)
-        x32 = x.detach().to(torch.float32).cpu().numpy()
+        x32 = _host(x).to(torch.float32).numpy()
         p = quantize_nvfp4_2d(x32, tile, variant, global_amax=global_amax, rounding=spec.rounding,
                               seed=spec.seed, srbits=spec.srbits)
         dev = x.device
@@ -99,7 +119,7 @@ class EmulatorBackend(Backend):
         """``fp8sim.hadamard.rht``."""
         from fp8sim.hadamard import rht
 
-        return torch.from_numpy(rht(x.detach().cpu(), axis, signs, inverse=inverse)).to(x.device)
+        return torch.from_numpy(rht(_host(x), axis, signs, inverse=inverse)).to(x.device)
 
     def scaled_mm(
         self,
@@ -123,8 +143,8 @@ class EmulatorBackend(Backend):
         sa = check_scale_inv(a_scale_inv, m, n, "a_scale_inv", "row").cpu()
         sb = check_scale_inv(b_scale_inv, m, n, "b_scale_inv", "col").cpu()
         if mode == "float32":
-            a = decode_in_order(decode, a_codes.detach().cpu(), a_fmt)
-            b = decode_in_order(decode, b_codes.detach().cpu(), b_fmt)
+            a = decode_in_order(decode, _host(a_codes), a_fmt)
+            b = decode_in_order(decode, _host(b_codes), b_fmt)
             return mm_float32(a, b, sa, sb, out_dtype).to(a_codes.device)
         sa, sb = sa.double(), sb.double()
         a = decode(a_codes.detach().cpu(), a_fmt, dtype=np.float64)
@@ -171,8 +191,7 @@ class EmulatorBackend(Backend):
     ) -> AdamStepResult:
         """See :meth:`Backend.adam_step`; computed by :func:`adam_reference`."""
         new = adam_reference(
-            param.detach().cpu(), grad.detach().cpu(), exp_avg.detach().cpu(),
-            exp_avg_sq.detach().cpu(), consts=consts, rounding=rounding, saturate=saturate,
+            _host(param), _host(grad), _host(exp_avg), _host(exp_avg_sq), consts=consts, rounding=rounding, saturate=saturate,
             seed=seed, **{k: v.cpu() for k, v in scalars.items()}, exp_avg_fmt=fmt,
         )
         param.copy_(new["param"].to(param.device))

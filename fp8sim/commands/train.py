@@ -3,12 +3,14 @@
 ``fp8sim train --recipe R --backend B --steps N [--record DIR] [--seed S] [--out DIR]``: trains the
 tiny byte-level GPT, writes ``metrics.jsonl``, checkpoints and ``run.json`` into ``--out``; a
 progress bar on stderr (loss, tokens/s) when stderr is a terminal and ``--json`` is not given.
-``--resume`` continues the run in ``--out`` from its last checkpoint (data-parallel runs too: one
-checkpoint file per rank, see :mod:`fp8sim.training.dist_checkpoint`), every option left out taken
-from the run's config.json (:data:`CONFIG_FLAGS` and :data:`RUN_OPTIONS`); a finished run is left
-as it is, and ``--steps M`` beyond its steps extends it (docs/training.md). One process at a time
-writes a run directory (and a trace): a second is refused. ``--nproc N`` (or torchrun)
-trains data-parallel over N ranks, and the FP8-LM recipes (``fp8lm-o1/o2/o3``) always train through
+``--resume`` continues the run in ``--out`` from its last checkpoint (data-parallel runs too:
+``torch.distributed.checkpoint``, see :mod:`fp8sim.training.dist_checkpoint`), every option left
+out taken from the run's config.json (:data:`CONFIG_FLAGS` and :data:`RUN_OPTIONS`); a finished
+run is left as it is, and ``--steps M`` beyond its steps extends it (docs/training.md). One
+process at a time writes a run directory (and a trace): a second is refused. ``--device`` puts the
+run on a GPU. ``torchrun --nproc-per-node N -m fp8sim train ...`` or ``--nproc N`` (torchrun's
+own launcher, started here) trains data-parallel over N ranks, and the FP8-LM recipes
+(``fp8lm-o1/o2/o3``) always train through
 :func:`fp8sim.training.distributed.train_distributed`; ``run.json`` then adds the bytes each rank
 sends per step.
 
@@ -46,8 +48,9 @@ CONFIG_FLAGS = {
 #: refuses one given that differs (parser default None, as for :data:`CONFIG_FLAGS`)
 RUN_OPTIONS = {"record": None, "save_every": 0, "nproc": 1, "grad_scaling": None, "fp8_grads": None}
 #: ``fp8sim train`` options that change nothing a run writes: where the run is (``--out`` names
-#: it), whether this command starts or continues it, and how the summary is printed
-TRANSIENT_OPTIONS = ("out", "resume", "json")
+#: it), whether this command starts or continues it, and how the summary is printed; and where it
+#: computes (``--device``: a resume may move a run to another device, whose rounding it then has)
+TRANSIENT_OPTIONS = ("out", "resume", "json", "device")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -95,9 +98,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--n-embd", type=int, metavar="C",
                    help=f"model width; FP8 GEMMs need a multiple of 16 (32 for MX) (default {m['n_embd']})")
     p.add_argument("--block-size", type=int, metavar="T", help=f"context length in bytes (default {m['block_size']})")
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help="where the model, batches, optimizer and FP8 state live: cpu, cuda (data-parallel rank r "
+                        "on cuda:LOCAL_RANK) or cuda:N (default %(default)s)")
     p.add_argument("--nproc", type=int, metavar="N",
-                   help="data-parallel ranks, spawned with torch.multiprocessing (gloo on CPU); under torchrun "
-                        f"the ranks come from the environment (default {RUN_OPTIONS['nproc']})")
+                   help="data-parallel ranks, started by torchrun's launcher (torch.distributed.run; gloo on CPU, "
+                        f"nccl on CUDA); under torchrun the ranks come from the environment (default {RUN_OPTIONS['nproc']})")
     p.add_argument("--grad-scaling", default=None, choices=("autoscale", "msamp"),
                    help="FP8 gradient all-reduce of the fp8lm recipes: FP8-LM's AutoScale (default) or MS-AMP's "
                         "fixed 1/sqrt(N) pre-scale")
@@ -223,16 +229,21 @@ def _default_out(args: argparse.Namespace) -> str:
 
 def _run_distributed(args: argparse.Namespace, cfg, out: Path, opts: dict) -> dict | None:
     """Data-parallel and FP8-LM runs (:mod:`fp8sim.training.distributed`); None on ranks > 0."""
-    from fp8sim.training.distributed import torchrun_env, train_distributed
+    from fp8sim.training.distributed import SharedError, torchrun_env, train_distributed
 
     env = torchrun_env()
     if not env or env[0] == 0:
         print(f"fp8sim train: {cfg.recipe} on {cfg.backend}, {env[1] if env else opts['nproc']} rank(s) -> {out}",
               file=sys.stderr)
-    summary = train_distributed(cfg, out, nproc=opts["nproc"], grad_scaling=opts["grad_scaling"],
-                                fp8_grads=opts["fp8_grads"], record=opts["record"], save_every=opts["save_every"],
-                                progress=None if not args.json else False, resume=args.resume,
-                                run_options=opts)  # fmt: skip
+    try:
+        summary = train_distributed(cfg, out, nproc=opts["nproc"], grad_scaling=opts["grad_scaling"],
+                                    fp8_grads=opts["fp8_grads"], record=opts["record"], save_every=opts["save_every"],
+                                    progress=None if not args.json else False, resume=args.resume,
+                                    run_options=opts, device=args.device)  # fmt: skip
+    except SharedError:
+        if env and env[0] != 0:  # rank 0 says it, once
+            raise SystemExit(2) from None
+        raise
     return None if env and env[0] != 0 else summary
 
 
@@ -253,9 +264,11 @@ def _check_outside_data(data: str | None, outputs: dict) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from fp8sim.output_dir import check_output_path
-    from fp8sim.training.distributed import torchrun_env
+    from fp8sim.training.distributed import check_device, torchrun_env
     from fp8sim.recipes import get_recipe
     from fp8sim.training.run_dir import new_run_id, run_begun
+
+    check_device(args.device)  # before anything is written
 
     for opt in ("out", "record"):
         if getattr(args, opt) is not None:
@@ -308,7 +321,7 @@ def _train(args: argparse.Namespace, cfg, out: Path, opts: dict, r, env, run_id:
         )
 
     trainer = Trainer(cfg, out, resume=args.resume, recorder_factory=recorder_for if opts["record"] else None,
-                      run_options=opts, run_id=run_id)  # fmt: skip
+                      run_options=opts, run_id=run_id, device=args.device)  # fmt: skip
     if not trainer.finished:
         print(f"fp8sim train: {cfg.recipe} on {cfg.backend}, {trainer.model.num_params():,} parameters, "
               f"corpus {trainer.corpus.source} ({trainer.corpus.num_bytes:,} bytes) -> {out}", file=sys.stderr)

@@ -28,7 +28,7 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 def convert_to_fp8(
     model: nn.Module, recipe: Recipe | LinearRecipe | str, backend: str | Any = "emulator", *,
     module_filter_fn: ModuleFilter | None = None, count_events: bool = True,
-    gemm_accumulate: str | None = "float32", keep_output_layer: bool = True,
+    gemm_accumulate: str | None = "float32", keep_output_layer: bool = True, amax_reduction: Any = "auto",
 ) -> nn.Module:
     """Run the GEMMs of ``model``'s linear layers and mixture-of-experts experts in FP8 (in
     place); returns ``model``.
@@ -74,6 +74,19 @@ def convert_to_fp8(
 
     The step (:attr:`Fp8State.step`) advances at each forward of ``model`` in training mode with
     autograd enabled (a forward pre-hook on ``model``), unless the loop sets it.
+
+    ``amax_reduction`` (see :class:`Fp8State`): ``"auto"`` (default, as Transformer Engine's amax
+    reduction group) reduces every cast's amax with MAX across the default process group when
+    ``torch.distributed`` runs more than one rank -- data-parallel ranks (DDP, FSDP2) then cast
+    activations and gradients with the same scales and keep identical scaling states, and
+    tensor-parallel shards are cast with the full tensor's scale; None keeps each rank's own; a
+    process group or callable reduces over it.
+
+    Distribution (docs/training.md): convert before ``fully_shard`` (FSDP2 manages the parameters
+    of the modules it has wrapped: converting after it is refused); tensor parallelism
+    (``parallelize_module``) may come before or after, since the converted layer is an
+    ``nn.Linear`` that keeps the replaced layer's parameters and forward hooks (the styles'
+    input and output placements).
     """
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
@@ -89,6 +102,9 @@ def convert_to_fp8(
         raise ValueError(f"convert_to_fp8: recipe {name!r} has no FP8 linear layers")
     if get_fp8_state(model) is not None:
         raise ValueError("convert_to_fp8: model is already converted (it holds FP8 layers)")
+    if _fully_sharded(model):
+        raise ValueError("convert_to_fp8: model is already sharded by FSDP2 (fully_shard); convert it first, then "
+                         "fully_shard, as torchao and torchtitan do")
     if isinstance(model, nn.Linear) or is_hf_conv1d(model):
         raise ValueError("convert_to_fp8: model is itself a linear layer; wrap it (nn.Sequential(layer)) so it can "
                          "be replaced in place")
@@ -100,7 +116,7 @@ def convert_to_fp8(
                else "the model has no nn.Linear, Conv1D or transformers experts module")
         raise ValueError(f"convert_to_fp8: nothing converted: {why}")
     state = Fp8State(linear_recipe, backend, count_events=count_events, gemm_accumulate=gemm_accumulate,
-                     recipe_name=getattr(recipe, "name", None))
+                     recipe_name=getattr(recipe, "name", None), amax_reduction=amax_reduction)
     state.first_layer = targets[0][0]
     for name, mod in targets:
         if is_hf_experts(mod):
@@ -108,7 +124,7 @@ def convert_to_fp8(
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8Linear(mod, name, state))
+        setattr(parent, child, _keep_forward_hooks(mod, Fp8Linear(mod, name, state)))
     state.summary = summarize(model, kept)
     warn_not_converted(state.summary)
     state._root_hook = model.register_forward_pre_hook(_advance_step_hook(state))
@@ -171,6 +187,24 @@ def apply_autocast(model: nn.Module, autocast: Autocast | None) -> None:
 
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)
+
+
+def _fully_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` was applied to ``model`` or one of its modules."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _keep_forward_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
+    """``new`` with ``old``'s forward hooks and pre-hooks (tensor parallelism's input and output
+    placements, when ``parallelize_module`` ran before the conversion); returns ``new``."""
+    for attr in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):  # fmt: skip
+        getattr(new, attr).update(getattr(old, attr))
+    return new
 
 
 def _block_number(fqn: str) -> int | None:

@@ -19,12 +19,13 @@ The FP8 all-reduce (FP8-LM section 2.1) of the FP8 linears' weight gradients, pe
 AutoScale observes the share of summed codes at ``fmt.max`` (identical on every rank, so the
 policies stay in step without communication).
 
-With ``owners`` (FP8-LM O3: every tensor lives on one rank, :mod:`fp8sim.training.zero`) step 4
-sends each tensor only to its owner -- ``all_to_all`` with uneven splits, every rank's payload
-grouped by destination -- and step 5 is skipped: the owner alone holds the reduced gradient, the
-other ranks' copy of it reads zero. The counts of sums at ``fmt.max`` then travel in one small
-``all_reduce`` (int32 per tensor) so AutoScale stays identical on every rank. The other gradients are averaged by an
-``all_reduce`` in bfloat16 (or float32). The reduced gradients are kept in :attr:`Fp8GradReducer.stash`
+Under FP8-LM O3 the same model runs inside FSDP2's reduce-scatter instead
+(:meth:`Fp8GradReducer.reduce_scatter`, called by :class:`fp8sim.training.fsdp_fp8.Fp8ReduceScatter`):
+steps 1-4 on each FSDP unit's flat buffer, no step 5 -- every rank keeps the reduced shard it
+owns; the counts of sums at ``fmt.max`` then travel in one small ``all_reduce`` (int32 per tensor)
+so AutoScale stays identical on every rank. The other gradients are averaged by an
+``all_reduce`` in bfloat16 (or float32; under FSDP2 an ``all_to_all`` of bfloat16 values summed in
+float32 in rank order). The reduced gradients are kept in :attr:`Fp8GradReducer.stash`
 as they were communicated (codes + scale_inv, or bfloat16 values) for the FP8 optimizer.
 
 Bytes are counted per rank with the ring algorithms' volumes (:func:`ring_bytes`).
@@ -98,7 +99,6 @@ class Fp8GradReducer:
         other_dtype: dtype of the other gradients' all-reduce (torch.bfloat16 or torch.float32).
         backend: FP8 backend name or object (quantize / amax).
         counter: a :class:`CommCounter` (created if None).
-        owners: ``{name: rank}`` of the FP8 gradients' owners (ZeRO); None: every rank gets all.
     """
 
     def __init__(
@@ -113,7 +113,6 @@ class Fp8GradReducer:
         other_dtype: torch.dtype = torch.bfloat16,
         backend: str | Any = "emulator",
         counter: CommCounter | None = None,
-        owners: dict[str, int] | None = None,
     ) -> None:
         from fp8sim import backends
         from fp8sim.quantizer import Quantizer, max_across
@@ -142,7 +141,6 @@ class Fp8GradReducer:
                                        amax_reduction=reduction, scale_divisor=math.sqrt(world))
         self.policy = self.quantizer.policy if scaling.startswith("autoscale") else None
         self.counter = counter if counter is not None else CommCounter(world)
-        self.owners = owners
         self.stash: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.stats: Counter = Counter()
 
@@ -188,28 +186,34 @@ class Fp8GradReducer:
         return t.numel() * t.element_size() + (4 if sinv is not None else 0)
 
     # -- FP8 path -------------------------------------------------------------------------------
+    def _shared_scales(self, names: list[str], grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 1-2: every tensor's amax MAX-reduced over the ranks (one all_reduce) and its
+        shared scale (float32)."""
+        amaxes = self.quantizer.reduce_amax(torch.stack([self.backend.amax(g) for g in grads]))
+        scales = torch.tensor([self.quantizer.scale_for(nm, float(a)) for nm, a in zip(names, amaxes)],
+                              dtype=torch.float32)
+        self.counter.add("scales", "all_reduce", scales.numel() * 4)
+        return amaxes, scales
+
+    def _encode(self, name: str, g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """Step 3: ``encode(float32(g) * s)`` (counting the values that underflow to zero)."""
+        c = self.quantizer.quantize(name, g, observe=False, scale=s).codes
+        nz = g != 0
+        self.stats["underflow"] += int((nz & ((c & (self.fmt.sign_mask - 1)) == 0)).sum())
+        self.stats["nonzero"] += int(nz.sum())
+        return c
+
+    def _at_max(self, c: torch.Tensor) -> int:
+        return int(((c & (self.fmt.sign_mask - 1)) == self.fmt.max_code).sum())
+
     def _reduce_fp8(self, items: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         import torch.distributed as dist
 
         n, fmt = self.world, self.fmt
         names = [self.names[id(p)] for p, _ in items]
         grads = [g.detach().to(torch.float32) for _, g in items]
-        amaxes = torch.stack([self.backend.amax(g) for g in grads])
-        amaxes = self.quantizer.reduce_amax(amaxes)  # one all_reduce(MAX) of every tensor's amax
-        scales = torch.tensor([self.quantizer.scale_for(nm, float(a)) for nm, a in zip(names, amaxes)],
-                              dtype=torch.float32)
-        self.counter.add("scales", "all_reduce", scales.numel() * 4)
-        codes = []
-        for nm, g, s in zip(names, grads, scales):
-            c = self.quantizer.quantize(nm, g, observe=False, scale=s).codes
-            mag = c & (fmt.sign_mask - 1)
-            nz = g != 0
-            self.stats["underflow"] += int((nz & (mag == 0)).sum())
-            self.stats["nonzero"] += int(nz.sum())
-            codes.append(c.reshape(-1))
-        if self.owners is not None and n > 1:
-            return self._reduce_fp8_to_owners(items, names, scales, amaxes, codes)
-        flat = torch.cat(codes)
+        amaxes, scales = self._shared_scales(names, grads)
+        flat = torch.cat([self._encode(nm, g, s).reshape(-1) for nm, g, s in zip(names, grads, scales)])
         numel = flat.numel()
         pad = (-numel) % n
         if pad:
@@ -234,51 +238,63 @@ class Fp8GradReducer:
             self.stash[id(p)] = (c, sinv)
             out.append(decode_codes(c, fmt) * sinv)
             if self.policy is not None:
-                at_max = int(((c & (fmt.sign_mask - 1)) == fmt.max_code).sum())
-                self.quantizer.observe(nm, a, numel=c.numel(), n_at_max=at_max)
+                self.quantizer.observe(nm, a, numel=c.numel(), n_at_max=self._at_max(c))
         return out
 
-    def _reduce_fp8_to_owners(self, items, names, scales, amaxes, codes) -> list[torch.Tensor]:
-        """Steps 4-5 under ZeRO: each tensor's N copies go to its owner only, which sums them."""
+    def reduce_scatter(self, pieces: Sequence[tuple], output: torch.Tensor) -> None:
+        """FSDP2's reduce-scatter of one unit (see the module docstring): ``pieces`` are
+        ``(name, sharded parameter, segments, padded shard size, full size)`` with ``segments``
+        the (N, k) float32 view of the tensor's N padded shards in the flat input; ``output``
+        (this rank's flat shard, k per tensor in the same order) receives the averages. The
+        reduced shards go into :attr:`stash` (codes + scale_inv, or bfloat16 values)."""
         import torch.distributed as dist
 
-        n, fmt, me = self.world, self.fmt, self._group_rank()
-        dest = [int(self.owners[nm]) for nm in names]
-        order = sorted(range(len(items)), key=lambda i: (dest[i], i))  # payload grouped by owner
-        send = torch.cat([codes[i] for i in order])
-        splits = [sum(codes[i].numel() for i in order if dest[i] == d) for d in range(n)]
-        mine = [i for i in order if dest[i] == me]
-        recv = torch.empty(splits[me] * n, dtype=torch.uint8, device=send.device)
-        dist.all_to_all_single(recv, send, output_split_sizes=[splits[me]] * n, input_split_sizes=splits,
-                               group=self.group)
-        sent = send.numel() - splits[me]
-        self.counter.add_sent("wgrad_fp8", sent)
-        self.counter.add_sent("wgrad_bf16_equiv", 2 * sent)  # the same reduce-scatter in bfloat16
-        at_max = torch.zeros(len(items), dtype=torch.int32)
-        out: list[torch.Tensor] = [torch.zeros_like(g, dtype=torch.float32) for _, g in items]
-        if mine:
-            summed, over = sum_codes(list(recv.split(splits[me])), fmt, self.backend)
+        n, fmt = self.world, self.fmt
+        offsets, off = {}, 0
+        for nm, _, seg, _, _ in pieces:
+            offsets[nm] = off
+            off += seg.shape[1]
+        fp8 = [pc for pc in pieces if pc[0] in self.fp8_names]
+        other = [pc for pc in pieces if pc[0] not in self.fp8_names]
+        if fp8:
+            names = [pc[0] for pc in fp8]
+            amaxes, scales = self._shared_scales(names, [pc[2] for pc in fp8])
+            codes = torch.cat([self._encode(nm, seg, s) for (nm, _, seg, _, _), s in zip(fp8, scales)], dim=1)
+            recv = torch.empty_like(codes)  # (N, K): row r is rank r's copy of this rank's shard
+            dist.all_to_all_single(recv, codes, group=self.group)
+            self.counter.add("wgrad_fp8", "all_to_all", codes.numel())
+            self.counter.add("wgrad_bf16_equiv", "reduce_scatter", 2 * codes.numel())
+            summed, over = sum_codes(list(recv), fmt, self.backend)
             self.stats["overflow"] += over
-            off = 0
-            for i in mine:
-                p, g = items[i]
-                c = summed[off : off + g.numel()].view(g.shape)
-                off += g.numel()
-                sinv = (torch.reciprocal(scales[i]) / n).to(torch.float32)
-                self.stash[id(p)] = (c, sinv)
-                out[i] = decode_codes(c, fmt) * sinv
-                at_max[i] = int(((c & (fmt.sign_mask - 1)) == fmt.max_code).sum())
-        if self.policy is not None:
-            dist.all_reduce(at_max, group=self.group)  # every rank's AutoScale sees the owners' counts
-            self.counter.add("scales", "all_reduce", at_max.numel() * 4)
-            for i, (nm, a) in enumerate(zip(names, amaxes)):
-                self.policy.observe(nm, a, fmt, numel=items[i][1].numel(), n_at_max=int(at_max[i]))
-        return out
-
-    def _group_rank(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank(self.group)
+            at_max = torch.zeros(len(fp8), dtype=torch.int32, device=codes.device)
+            k0 = 0
+            for i, ((nm, p, seg, padded, _), s) in enumerate(zip(fp8, scales)):
+                c = summed[k0 : k0 + seg.shape[1]]
+                k0 += seg.shape[1]
+                sinv = (torch.reciprocal(s) / n).to(torch.float32)
+                output[offsets[nm] : offsets[nm] + c.numel()].copy_(decode_codes(c, fmt) * sinv.to(c.device))
+                self.stash[id(p)] = (c.view(padded)[: _local_rows(p)], sinv)
+                at_max[i] = self._at_max(c)
+            if self.policy is not None:
+                dist.all_reduce(at_max, group=self.group)  # every rank's AutoScale sees every shard's count
+                self.counter.add("scales", "all_reduce", at_max.numel() * 4)
+                for i, (nm, _, _, _, full) in enumerate(fp8):
+                    self.quantizer.observe(nm, float(amaxes[i]), numel=math.prod(full), n_at_max=int(at_max[i]))
+        if other:
+            vals = torch.cat([seg.to(self.other_dtype) for _, _, seg, _, _ in other], dim=1)
+            recv = torch.empty_like(vals)
+            dist.all_to_all_single(recv, vals, group=self.group)
+            self.counter.add("grads_other", "all_to_all", vals.numel() * vals.element_size())
+            acc = recv[0].float()
+            for r in range(1, n):
+                acc += recv[r].float()  # in rank order
+            avg = (acc.to(self.other_dtype).float() / n).to(self.other_dtype)
+            k0 = 0
+            for nm, p, seg, padded, _ in other:
+                v = avg[k0 : k0 + seg.shape[1]]
+                k0 += seg.shape[1]
+                output[offsets[nm] : offsets[nm] + v.numel()].copy_(v.float())
+                self.stash[id(p)] = (v.view(padded)[: _local_rows(p)], None)
 
     # -- the other gradients --------------------------------------------------------------------
     def _reduce_other(self, items: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -318,3 +334,10 @@ class Fp8GradReducer:
         out = {k: int(self.stats.get(k, 0)) for k in ("overflow", "underflow", "nonzero")}
         self.stats.clear()
         return out
+
+
+def _local_rows(p: torch.Tensor) -> int:
+    """Rows of a sharded parameter's local shard (FSDP2 shards dim 0)."""
+    from fp8sim.training.fsdp_fp8 import local_data
+
+    return local_data(p).shape[0]

@@ -62,9 +62,10 @@ __all__ = ["Fp8Linear", "is_hf_conv1d", "in_backward"]
 _LAYERS: "weakref.WeakValueDictionary[int, Fp8Linear]" = weakref.WeakValueDictionary()
 
 
-def _saved_specs(layer: "Fp8Linear", m: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of what the forward saves (:func:`fp8sim.training.linear_gemms.saved_specs`)."""
-    return linear_gemms.saved_specs(layer.state, m, layer.in_features, layer.out_features)
+def _saved_specs(layer: "Fp8Linear", m: int, k: int, n: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of what the forward saves (:func:`fp8sim.training.linear_gemms.saved_specs`);
+    K and N are the local ones of a tensor-parallel shard (:mod:`fp8sim.training.tensor_parallel`)."""
+    return linear_gemms.saved_specs(layer.state, m, k, n)
 
 
 @torch.library.custom_op("fp8sim::fp8_linear", mutates_args=())
@@ -93,16 +94,22 @@ def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         if bias is not None:  # the GEMM epilogue's float32 add, before the one rounding
             y = y + bias.detach().to(torch.float32)
     # outputs of a custom op may not alias its inputs or each other
-    saved = tuple(t.reshape(shape).to(dtype).clone() for t, (shape, dtype) in zip(saved, _saved_specs(layer, x.shape[0])))
+    specs = _saved_specs(layer, x.shape[0], x.shape[1], w32.shape[0])
+    saved = tuple(t.reshape(shape).to(dtype).clone() for t, (shape, dtype) in zip(saved, specs))
     return (y.to(out_dtype),) + saved
+
+
+def _local_n(layer: "Fp8Linear", weight: torch.Tensor) -> int:
+    """N of the weight as the op sees it (the local shard's under tensor parallelism)."""
+    return weight.shape[1] if layer.transposed else weight.shape[0]
 
 
 @_fp8_linear_op.register_fake
 def _(x, weight, bias, key, out_dtype, observe):
     layer = _LAYERS[key]
-    m = x.shape[0]
-    y = x.new_empty((m, layer.out_features), dtype=out_dtype)
-    return (y,) + tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in _saved_specs(layer, m))
+    m, k, n = x.shape[0], x.shape[1], _local_n(layer, weight)
+    y = x.new_empty((m, n), dtype=out_dtype)
+    return (y,) + tuple(x.new_empty(shape, dtype=dtype) for shape, dtype in _saved_specs(layer, m, k, n))
 
 
 @torch.library.custom_op("fp8sim::fp8_linear_backward", mutates_args=())
@@ -127,7 +134,7 @@ def _fp8_linear_backward_op(gy: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor
 @_fp8_linear_backward_op.register_fake
 def _(gy, s0, s1, s2, s3, key, observe, x_dtype, w_dtype, b_dtype):
     layer = _LAYERS[key]
-    m, k, n = gy.shape[0], layer.in_features, layer.out_features
+    m, k, n = gy.shape[0], s0.shape[1], gy.shape[1]  # s0: X's codes or values, (M, K)
     w_shape = (k, n) if layer.transposed else (n, k)
     db = gy.new_empty((n,), dtype=b_dtype) if b_dtype is not None else gy.new_empty((0,), dtype=gy.dtype)
     return gy.new_empty((m, k), dtype=x_dtype), gy.new_empty(w_shape, dtype=w_dtype), db
@@ -156,9 +163,14 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(nn.Linear):
     """Drop-in for ``nn.Linear`` (or a subclass, or Hugging Face's ``Conv1D``) whose GEMMs run
     in FP8 (see the module docstring).
+
+    An ``nn.Linear`` subclass, so what accepts linear layers accepts it -- tensor parallelism's
+    ``ColwiseParallel`` / ``RowwiseParallel`` included: with a ``DTensor`` weight the GEMMs run on
+    the local shards (:mod:`fp8sim.training.tensor_parallel`). Its ``__init__`` allocates nothing
+    (it takes over the replaced module's parameters), and ``reset_parameters`` is ``nn.Linear``'s.
 
     Shares ``weight``/``bias`` Parameters with the module it replaces, in their stored layout and
     dtype: ``transposed`` is True for ``Conv1D``, whose weight is (in, out) and ``y = x W + b``;
@@ -175,7 +187,7 @@ class Fp8Linear(nn.Module):
     """
 
     def __init__(self, module: nn.Module, name: str, state: Fp8State) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate new parameters
         self.transposed = is_hf_conv1d(module)
         if self.transposed:
             self.in_features, self.out_features = module.weight.shape
@@ -202,14 +214,22 @@ class Fp8Linear(nn.Module):
         return linear_gemms.tensor_names(self.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from fp8sim.training.tensor_parallel import is_dtensor, tensor_parallel_forward
+
+        if is_dtensor(self.weight):  # tensor parallelism: the same GEMMs on the local shards
+            return tensor_parallel_forward(self, x, self._forward_local)
+        return self._forward_local(x, self.weight, self.bias)
+
+    def _forward_local(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + b`` on plain tensors (a tensor-parallel shard's: its local K or N)."""
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)  # (M, K), M = prod(lead)
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K), M = prod(lead)
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         observe, self.checkpointed, holder = observing_forward(self)  # eval / no grad: nothing observed
-        y = _fp8_linear_op(x2, self.weight, self.bias, self._key, out_dtype, observe)[0]  # (M, N)
+        y = _fp8_linear_op(x2, weight, bias, self._key, out_dtype, observe)[0]  # (M, N)
         hold(holder, self.pending_call)  # a reentrant checkpoint's first forward: its context keeps the call
-        return y.view(*lead, self.out_features)
+        return y if x.dim() == 2 else y.view(*lead, y.shape[-1])  # no view where nn.Linear gives none
 
     # -- the FP8 state in state_dict() ----------------------------------------------------------
     def get_extra_state(self) -> torch.Tensor:

@@ -51,6 +51,15 @@ class Fp8State:
         gemm_accumulate: the ``accumulate=`` of the ``exact`` rule's tensor-scaled GEMMs
             (``"float32"`` or ``"float64"``, see :mod:`fp8sim.training.fp8_linear`), or None for
             a backend that takes none.
+        amax_reduction: how each cast's tensor amax (and NVFP4's global amax; never block amaxes)
+            is reduced across processes before its scale is decided: None (each process its
+            own), a ``torch.distributed`` process group (MAX across it,
+            :func:`fp8sim.quantizer.max_across`), a callable on a float32 tensor of amaxes, or
+            ``"auto"``: decided at the first cast -- MAX across the default process group when
+            ``torch.distributed`` is initialized with more than one rank, else none (Transformer
+            Engine's amax reduction group). With a reduction every rank must run the same casts
+            in the same order (they are collectives), and the scaling policies see the same
+            amaxes, so their states are identical on every rank.
     """
 
     def __init__(self, recipe: LinearRecipe, backend: str | Any, *, count_events: bool = True,
@@ -62,10 +71,15 @@ class Fp8State:
         self.backend = backends.get(backend) if isinstance(backend, str) else backend
         self.backend_name = backend if isinstance(backend, str) else type(backend).__name__
         self.casts = recipe.casts()
-        self.quantizers = {role: Quantizer(c, self.backend, amax_reduction=amax_reduction)
+        self._auto_reduction = isinstance(amax_reduction, str)
+        if self._auto_reduction and amax_reduction != "auto":
+            raise ValueError(f"Fp8State: amax_reduction must be None, 'auto', a process group or a callable, "
+                             f"got {amax_reduction!r}")
+        reduction = None if self._auto_reduction else amax_reduction
+        self.quantizers = {role: Quantizer(c, self.backend, amax_reduction=reduction)
                            for role, c in self.casts.items()}
         if recipe.weight_dgrad is not None:  # the weight's re-cast for the dX GEMM (observes nothing)
-            self.quantizers["weight_dgrad"] = Quantizer(recipe.weight_dgrad, self.backend)
+            self.quantizers["weight_dgrad"] = Quantizer(recipe.weight_dgrad, self.backend, amax_reduction=reduction)
         self.formats = {role: c.fmt for role, c in self.casts.items()}
         self.gemm_rule = recipe.gemm_rule
         self._check_casts(recipe_name)
@@ -188,6 +202,8 @@ class Fp8State:
         keys its stream with ``name + "^T"``. ``expert``: the MoE expert the cast belongs to
         (its observed casts go to :attr:`expert_taps` instead of :attr:`taps`).
         """
+        if self._auto_reduction:
+            self._resolve_auto_reduction()
         q = self.quantizers[role]
         record = call.casts.get(name) if call is not None and call.replay else None
         if call is not None and call.unmatched:  # see ForwardCall.unmatched
@@ -214,6 +230,18 @@ class Fp8State:
             for tap in self.expert_taps:
                 tap(name, role, x.detach(), self.casts[role], scale, op, expert)
         return op
+
+    def _resolve_auto_reduction(self) -> None:
+        """``amax_reduction="auto"`` at the first cast: MAX across the default process group
+        when one with more than one rank exists, else no reduction."""
+        import torch.distributed as dist
+        from fp8sim.quantizer import max_across
+
+        self._auto_reduction = False
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            reduce = max_across(None)
+            for q in self.quantizers.values():
+                q.amax_reduction = reduce
 
     def seed_for(self, name: str) -> int:
         """The Philox key of a stochastic cast of tensor ``name`` at the current step

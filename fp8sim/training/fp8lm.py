@@ -10,9 +10,11 @@
         loss_fn(run.model(x), y).backward()
         run.optimizer.step(max_norm=1.0)        # FP8 gradients -> FP8-LM Adam (clipping inside)
 
-With ``process_group=`` (``torch.distributed`` initialised, one rank per process) wrap the model
-in DDP and register the hook: ``ddp = DistributedDataParallel(run.model);
-ddp.register_comm_hook(None, run.comm_hook)``.
+With ``process_group=`` (``torch.distributed`` initialised, one rank per process, e.g. under
+``torchrun``): for O1/O2 wrap the model in DDP and register the hook, ``ddp =
+DistributedDataParallel(run.model); ddp.register_comm_hook(None, run.comm_hook)``; for O3
+``prepare`` has already sharded the model with FSDP2 (``run.comm_hook`` is None) -- train
+``run.model`` as it is.
 
 The levels, built from the same blocks as :func:`fp8sim.training.distributed.train_distributed`:
 
@@ -25,14 +27,18 @@ The levels, built from the same blocks as :func:`fp8sim.training.distributed.tra
 * optimizer (``optimizer="fp8-adamw"``): :class:`~fp8sim.training.optim.Fp8AdamW` (E4M3 first
   moment, FP16 second moment and FP16 scaled master weights) reading the reduced FP8 gradients;
   ``"adamw"`` (O1): ``torch.optim.AdamW`` on the reduced gradients;
-* weight storage (``weight_storage="fp8"``, O3): :class:`~fp8sim.training.zero.ZeroFp8Weights`
-  -- E4M3 weights sharded ZeRO-style; after each step every rank's weights are the gathered E4M3
-  values (the initial weights too, right after ``prepare``).
+* weight storage (``weight_storage="fp8"``, O3): FSDP2 (:func:`~fp8sim.training.fsdp_fp8.fully_shard_fp8lm`)
+  shards the parameters, the FP16 masters and the Adam states; the FP8 linears' weights are
+  all-gathered as E4M3 codes with one power-of-two scale per tensor and the gradients
+  reduce-scattered in E4M3 (FP8-LM's shared scale and AutoScale). With one process there is
+  nothing to gather: after each step (and right after ``prepare``) those weights are set to
+  their E4M3 cast with the same scale rule, the values every rank's forward sees under FSDP2.
 
 Gradient clipping: ``step(max_norm=c)`` scales the gradients through the optimizer's
 ``grad_scale`` (the FP8 gradients are never rewritten), as ``train_distributed`` does.
 The FP8 state -- the layers' scaling policies, the step and the gradient reducer's AutoScale --
-travels in ``run.model.state_dict()``; the optimizer's in ``run.optimizer.state_dict()``.
+travels in ``run.model.state_dict()``; the optimizer's in ``run.optimizer.state_dict()`` (under
+FSDP2 save both with ``torch.distributed.checkpoint``, see docs/training.md).
 """
 
 from __future__ import annotations
@@ -58,20 +64,25 @@ class Fp8LMOptimizer:
     """The optimizer and gradient levels of an FP8-LM recipe behind ``zero_grad`` / ``step``.
 
     Attributes:
-        optimizer: the inner optimizer (``Fp8AdamW``, ``torch.optim.AdamW``, or the ZeRO
-            shard's ``Fp8AdamW``); ``param_groups`` is its (set ``lr`` there).
+        optimizer: the inner optimizer (``Fp8AdamW`` -- over FSDP2's shards under O3 -- or
+            ``torch.optim.AdamW``); ``param_groups`` is its (set ``lr`` there).
         reducer: the :class:`Fp8GradReducer` (FP8 gradients, AutoScale, byte counts).
-        zero: the :class:`ZeroFp8Weights` of O3, else None.
         counter: bytes sent per category (``counter.pop()``).
+        fp8_weights: O3 in one process: the ``(name, parameter)`` pairs stored as their E4M3
+            cast after each step (empty otherwise).
     """
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], reducer: Fp8GradReducer, optimizer: Any,
-                 zero: Any, *, world: int, group: Any, fp8_comm: bool, counter: CommCounter) -> None:
+    def __init__(self, named: list[tuple[str, nn.Parameter]], reducer: Fp8GradReducer, optimizer: Any, *,
+                 world: int, fp8_comm: bool, counter: CommCounter,
+                 fp8_weights: list[tuple[str, nn.Parameter]] | None = None) -> None:
         self.named = named
         self.params = [p for _, p in named]
-        self.reducer, self.optimizer, self.zero = reducer, optimizer, zero
-        self.world, self.group, self.counter = world, group, counter
+        self.reducer, self.optimizer = reducer, optimizer
+        self.world, self.counter = world, counter
         self._reduce_inline = world == 1 and fp8_comm
+        self.fp8_weights = list(fp8_weights or [])
+        if self.fp8_weights:
+            self.store_fp8_weights()
 
     @property
     def param_groups(self) -> list[dict]:
@@ -100,40 +111,49 @@ class Fp8LMOptimizer:
             self.optimizer.step()
             return norm
         # FP8-LM Adam: clipping goes into the gradients' scale_inv; the gradients live in the stash
-        if self.reducer.owners is None:
-            norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None]))
-        else:  # ZeRO: each rank adds the squares of the gradients it owns (FP8 ones exist only there)
-            import torch.distributed as dist
-
-            rank = dist.get_rank(self.group)
-            mine = [p.grad for n, p in self.named if p.grad is not None and self.reducer.owners[n] == rank]
-            norm = float(torch.nn.utils.get_total_norm(mine)) if mine else 0.0
-            sq = torch.tensor([norm * norm], dtype=torch.float64)
-            dist.all_reduce(sq, group=self.group)
-            self.counter.add("scales", "all_reduce", 8)
-            norm = float(sq.sqrt())
+        norm = grad_norm([p.grad for p in self.params if p.grad is not None])
         coef = min(1.0, max_norm / (norm + 1e-6))
         for p in self.params:
             p.grad = None
-        (self.zero or self.optimizer).step(grad_scale=coef)
+        self.optimizer.step(grad_scale=coef)
+        if self.fp8_weights:
+            self.store_fp8_weights()
         return norm
+
+    @torch.no_grad()
+    def store_fp8_weights(self) -> None:
+        """O3 in one process: each FP8 weight becomes its E4M3 cast (MS-AMP's power-of-two scale
+        of its amax), what FSDP2's E4M3 all-gather hands every rank's forward."""
+        from fp8sim.training.fsdp_fp8 import weight_quantizer
+
+        q = weight_quantizer(self.reducer.backend)
+        for name, p in self.fp8_weights:
+            w = p.detach().reshape(p.shape[0], -1)
+            c = q.quantize(name, w, observe=False)
+            p.copy_(self.reducer.backend.dequantize(c.codes, c.fmt, c.scale_inv).view(p.shape))
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict`; under O3 the weights are gathered again from the restored
-        masters (as after the step that saved it)."""
+        """Restore :meth:`state_dict` (the model's own weights are restored by the model's)."""
         self.optimizer.load_state_dict(state_dict)
-        if self.zero is not None:
-            self.zero.gather()
-            self.counter.pop()
+
+
+def grad_norm(grads: list[torch.Tensor]) -> float:
+    """The 2-norm of all ``grads`` together; sharded (DTensor) gradients count once over their
+    ranks (torch's ``get_total_norm``, reduced to the full norm)."""
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 @dataclass
 class Fp8LMTraining:
-    """What :func:`prepare` returns: the converted ``model``, the ``optimizer``, the DDP
-    ``comm_hook`` (None for one process) and the ``recipe``."""
+    """What :func:`prepare` returns: the converted ``model`` (sharded by FSDP2 under O3 with a
+    process group), the ``optimizer``, the DDP ``comm_hook`` (None for one process and for O3)
+    and the ``recipe``."""
 
     model: nn.Module
     optimizer: Fp8LMOptimizer
@@ -156,34 +176,55 @@ def prepare(
     grad_scaling: str | None = None,
     fp8_grads: str | None = None,
     params: Iterable[tuple[str, nn.Parameter]] | None = None,
+    amax_reduction: Any = "auto",
+    fsdp_units: Iterable[nn.Module] | None = None,
 ) -> Fp8LMTraining:
     """Apply every level of ``recipe`` to ``model`` (in place) and build its optimizer.
 
     ``process_group``: None trains in one process (no collectives; the FP8 gradient
     quantization still runs); a ``torch.distributed`` group (``dist.group.WORLD`` for the default
-    one) trains data-parallel over it. ``lr``, ``betas``, ``eps``, ``weight_decay``: the Adam
-    hyper-parameters (torch's defaults). ``module_filter_fn``: as :func:`convert_to_fp8`.
-    ``grad_scaling`` (``autoscale`` | ``msamp``) and ``fp8_grads`` (``all`` | ``linear``) override the
-    recipe's ``extra``. ``params``: the ``(name, parameter)`` pairs to train (default: all of
-    ``model.named_parameters()``, float32). Any FP8 recipe is accepted (``te-delayed`` gives
-    float32 AdamW and no FP8 communication); the model must not be converted yet.
+    one) trains data-parallel over it -- DDP with :attr:`Fp8LMTraining.comm_hook` for O1/O2, FSDP2
+    (sharded here, ``fsdp_units`` as :func:`~fp8sim.training.fsdp_fp8.fully_shard_fp8lm`'s
+    ``units``) for O3. ``lr``, ``betas``, ``eps``, ``weight_decay``: the Adam
+    hyper-parameters (torch's defaults). ``module_filter_fn``: as :func:`convert_to_fp8`;
+    ``amax_reduction``: as there, except that ``"auto"`` (default) means MAX over
+    ``process_group`` (none for one process, even inside a larger process group). ``grad_scaling`` (``autoscale`` | ``msamp``) and ``fp8_grads``
+    (``all`` | ``linear``) override the recipe's. ``params``: the ``(name, parameter)`` pairs to
+    train (default: all of ``model.named_parameters()``, float32; under O3 with a process group
+    every parameter). Any FP8 recipe is accepted (``te-delayed`` gives float32 AdamW and no FP8
+    communication); the model must not be converted yet.
     """
-    from fp8sim.training.optim import Fp8AdamW
-    from fp8sim.training.zero import ZeroFp8Weights
-
     r = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if not isinstance(r, Recipe) or not r.is_fp8:
         raise ValueError(f"fp8lm.prepare: recipe {getattr(r, 'name', r)!r} has no FP8 linear layers")
-    if process_group is None:
-        rank, world = 0, 1
-    else:
+    world = 1
+    if process_group is not None:
         import torch.distributed as dist
 
-        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-    convert_to_fp8(model, r.linear, backend, module_filter_fn=module_filter_fn, gemm_accumulate=gemm_accumulate)
+        world = dist.get_world_size(process_group)
+    if isinstance(amax_reduction, str) and amax_reduction == "auto":  # over the training's ranks
+        amax_reduction = process_group if world > 1 else None
+    convert_to_fp8(model, r.linear, backend, module_filter_fn=module_filter_fn, gemm_accumulate=gemm_accumulate,
+                   amax_reduction=amax_reduction)
     apply_autocast(model, r.autocast)
     state = get_fp8_state(model)
     named = list(params) if params is not None else list(model.named_parameters())
+    opt, hook = build_levels(model, r, named, world=world, group=process_group, backend=backend,
+                             hp={"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
+                             grad_scaling=grad_scaling, fp8_grads=fp8_grads, fsdp_units=fsdp_units)
+    state.extra_states[REDUCER_STATE_KEY] = opt.reducer  # AutoScale travels in model.state_dict()
+    return Fp8LMTraining(model, opt, hook, r)
+
+
+def build_levels(model: nn.Module, r: Recipe, named: list[tuple[str, nn.Parameter]], *, world: int, group: Any,
+                 backend: str | Any, hp: dict, grad_scaling: str | None = None, fp8_grads: str | None = None,
+                 fsdp_units: Iterable[nn.Module] | None = None) -> tuple[Fp8LMOptimizer, Callable | None]:
+    """The levels of ``r`` beyond the linear layers on a converted ``model``: the gradient
+    reducer, the optimizer and -- O3 with ``world > 1`` -- FSDP2 sharding with FP8 all-gather
+    and reduce-scatter. Returns the optimizer and the DDP comm hook (None for one process and
+    for O3). What :func:`prepare` and the distributed trainer share."""
+    from fp8sim.training.optim import Fp8AdamW
+
     bad = [n for n, p in named if p.dtype != torch.float32]
     if bad and r.optimizer == "fp8-adamw":
         raise ValueError(f"fp8lm.prepare: FP8-LM's Adam keeps its own FP16 masters and needs float32 parameters; "
@@ -195,24 +236,30 @@ def prepare(
     grad_fp8_names = {n for n, _ in named} if fp8_comm and scope == "all" else fp8_names
     other = torch.bfloat16 if (fp8_comm or r.grad_comm == "bf16" or r.autocast == "bfloat16") else torch.float32
     counter = CommCounter(world)
-    reducer = Fp8GradReducer(named, grad_fp8_names, world=world, group=process_group, scaling=scaling,
+    reducer = Fp8GradReducer(named, grad_fp8_names, world=world, group=group, scaling=scaling,
                              other_dtype=other, backend=backend, counter=counter)
-    state.extra_states[REDUCER_STATE_KEY] = reducer  # AutoScale travels in model.state_dict()
-    hp = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    sharded = r.weight_storage == "fp8" and world > 1
+    if sharded:
+        from fp8sim.training.fsdp_fp8 import fully_shard_fp8lm
+
+        fully_shard_fp8lm(model, reducer, mesh=_mesh_of(group, model), units=fsdp_units,
+                          fp8_weight_names=fp8_names, backend=reducer.backend)
+        named = list(model.named_parameters())  # FSDP2's sharded parameters
+        reducer.names = {id(p): n for n, p in named}
     ps = [p for _, p in named]
-    zero = None
     if r.optimizer == "adamw":
         inner: Any = torch.optim.AdamW(ps, **hp, foreach=False)
-    elif r.weight_storage == "fp8":
-        zero = ZeroFp8Weights(named, fp8_names, rank=rank, world=world, group=process_group,
-                              count_bytes=counter.add,
-                              optimizer_kwargs={**hp, "backend": backend, "grad_source": reducer.grad_for})
-        inner = zero.optimizer
-        if world > 1:  # each FP8 gradient is reduced onto its owner only
-            reducer.owners = {n: o for (n, _), o in zip(zero.params, zero.owner)}
     else:
         inner = Fp8AdamW(ps, **hp, backend=backend, grad_source=reducer.grad_for)
-    counter.pop()  # the initial weight gather is set-up, not a training step
-    opt = Fp8LMOptimizer(named, reducer, inner, zero, world=world, group=process_group, fp8_comm=fp8_comm,
-                         counter=counter)
-    return Fp8LMTraining(model, opt, reducer.hook if world > 1 else None, r)
+    stored = [(n, p) for n, p in named if n in fp8_names] if r.weight_storage == "fp8" and not sharded else None
+    opt = Fp8LMOptimizer(named, reducer, inner, world=world, fp8_comm=fp8_comm, counter=counter, fp8_weights=stored)
+    counter.pop()  # set-up, not a training step
+    return opt, (reducer.hook if world > 1 and not sharded else None)
+
+
+def _mesh_of(group: Any, model: nn.Module) -> Any:
+    """A 1-D device mesh over ``group`` on the model's device type."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device = next(model.parameters()).device.type
+    return DeviceMesh.from_group(group, device)

@@ -28,6 +28,14 @@ So no state ever saturates, and a power-of-two scale makes re-encoding an unchan
 After the step the model's parameter is set to the decoded master, ``float32(master) *
 master_scale_inv``; at construction the parameter is replaced by its own FP16 master's value so
 both agree from the start.
+
+Sharded parameters (DTensors: FSDP2, tensor parallelism): the step runs on each rank's local
+shard, and every amax it decides a scale from (the parameter's, the gradient's, the new states')
+is MAX-reduced over the parameter's device mesh first, so the scales -- and, elementwise, every
+value -- are those of one process updating the whole tensor. The tensor states are DTensors of
+the parameter's placements (``torch.distributed.checkpoint`` reshards them), the per-tensor
+scalars plain tensors identical on every rank. Stochastic rounding of sharded states is refused
+(its Philox counters are flat indices of the whole tensor).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import numpy as np
 import torch
 
 from fp8sim.formats import FloatFormat, get_format
+from fp8sim.training.tensor_parallel import is_dtensor
 
 __all__ = ["Fp8AdamW", "update_bound", "GradSource"]
 
@@ -141,24 +150,32 @@ class Fp8AdamW(torch.optim.Optimizer):
     # -- state --------------------------------------------------------------------------------
     @torch.no_grad()
     def _init_state(self, p: torch.Tensor) -> None:
+        from fp8sim.training.fsdp_fp8 import local_data
+
         if p.dtype != torch.float32:
             raise TypeError(f"Fp8AdamW: parameters must be float32, got {p.dtype}")
-        amax = float(p.detach().abs().amax()) if p.numel() else 0.0
+        if self.rounding == "stochastic" and is_dtensor(p):
+            raise NotImplementedError("Fp8AdamW: stochastic rounding of sharded (DTensor) parameters is not "
+                                      "implemented; use rounding='rne'")
+        w = local_data(p)
+        dev = w.device
+        amax = _global_max([w.abs().amax() if w.numel() else w.new_zeros(())], [p])[0]
         scale = _pow2_scale(2.0 * amax, _FP16, 1.0)  # one binade of headroom
-        master = (p.detach() * scale).to(torch.float16)  # float32 product is exact (pow2), RNE
-        sinv = torch.tensor(1.0 / scale, dtype=torch.float32)
-        p.copy_(master.float() * sinv)  # the model starts from its master's value
+        master = (w * scale).to(torch.float16)  # float32 product is exact (pow2), RNE
+        sinv = torch.tensor(1.0 / scale, dtype=torch.float32, device=dev)
+        w.copy_(master.float() * sinv)  # the model starts from its master's value
+        scalar = lambda v: torch.tensor(v, dtype=torch.float32, device=dev)  # noqa: E731
         self.state[p] = {
             "step": 0,
-            "master": master,
+            "master": _like(p, master),
             "master_scale_inv": sinv,
-            "exp_avg": torch.zeros(p.shape, dtype=torch.uint8, device=p.device),
-            "exp_avg_scale_inv": torch.tensor(1.0, dtype=torch.float32),
-            "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float16, device=p.device),
-            "exp_avg_sq_scale_inv": torch.tensor(1.0, dtype=torch.float32),
-            "w_amax": torch.tensor(amax, dtype=torch.float32),
-            "m_amax": torch.tensor(0.0, dtype=torch.float32),
-            "v_amax": torch.tensor(0.0, dtype=torch.float32),
+            "exp_avg": _like(p, torch.zeros(w.shape, dtype=torch.uint8, device=dev)),
+            "exp_avg_scale_inv": scalar(1.0),
+            "exp_avg_sq": _like(p, torch.zeros(w.shape, dtype=torch.float16, device=dev)),
+            "exp_avg_sq_scale_inv": scalar(1.0),
+            "w_amax": scalar(amax),
+            "m_amax": scalar(0.0),
+            "v_amax": scalar(0.0),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -178,15 +195,15 @@ class Fp8AdamW(torch.optim.Optimizer):
                     st[k] = st[k].to(dt)  # float16 -> float32 -> float16 is exact
 
     def master_value(self, p: torch.Tensor) -> torch.Tensor:
-        """The master weight of ``p`` decoded to float32."""
+        """The master weight of ``p`` decoded to float32 (a sharded parameter's: this rank's shard)."""
         st = self.state[p]
-        return st["master"].float() * st["master_scale_inv"]
+        return _local(st["master"]).float() * st["master_scale_inv"]
 
     def moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(m, v)`` of ``p`` decoded to float32."""
+        """``(m, v)`` of ``p`` decoded to float32 (a sharded parameter's: this rank's shard)."""
         st = self.state[p]
-        m = self.backend.dequantize(st["exp_avg"], self.exp_avg_fmt, st["exp_avg_scale_inv"])
-        v = st["exp_avg_sq"].float() * st["exp_avg_sq_scale_inv"]
+        m = self.backend.dequantize(_local(st["exp_avg"]), self.exp_avg_fmt, st["exp_avg_scale_inv"])
+        v = _local(st["exp_avg_sq"]).float() * st["exp_avg_sq_scale_inv"]
         return m, v
 
     def state_bytes(self) -> dict[str, int]:
@@ -197,7 +214,7 @@ class Fp8AdamW(torch.optim.Optimizer):
             for key, t in st.items():
                 if not torch.is_tensor(t):
                     continue
-                n = t.numel() * t.element_size()
+                n = _local(t).numel() * t.element_size()
                 out[key if key in out else "scales"] += n
         return out
 
@@ -210,45 +227,97 @@ class Fp8AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float = 1.0) -> Any:
         """One FP8-LM AdamW step for every parameter with a gradient; returns ``closure()``."""
+        from fp8sim.training.fsdp_fp8 import local_data
+
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        work = []  # (index, group, p, local grad, grad_sinv)
         index = 0
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             for p in group["params"]:
                 index += 1
                 got = self._grad(p)
                 if got is None:
                     continue
                 grad, grad_sinv = got
-                grad_sinv = float(np.float32(float(grad_sinv) * float(grad_scale)))
-                st = self.state[p]
-                st["step"] += 1
-                t = st["step"]
-                g_amax = float(self.backend.amax(grad)) * abs(grad_sinv)
-                m_bound = beta1 * float(st["m_amax"]) * (1 + 2.0**-3) + (1 - beta1) * g_amax
-                v_bound = beta2 * float(st["v_amax"]) + (1 - beta2) * g_amax * g_amax
-                w_bound = float(st["w_amax"]) * abs(1 - lr * wd) + 2.0 * lr * update_bound(t, beta1, beta2)
-                w_scale = _pow2_scale(w_bound * (1 + 2.0**-8), _FP16, 1.0 / float(st["master_scale_inv"]))
-                m_scale = _pow2_scale(m_bound * (1 + 2.0**-8), self.exp_avg_fmt, 1.0 / float(st["exp_avg_scale_inv"]))
-                v_scale = _pow2_scale(v_bound * (1 + 2.0**-8), _FP16, 1.0 / float(st["exp_avg_sq_scale_inv"]))
-                seed = None
-                if self.rounding == "stochastic":
-                    seed = (self.seed * 0x9E3779B1 + t * 0x85EBCA77 + 3 * index) % 2**62
-                res = self.backend.adam_step(
-                    st["master"], st["master_scale_inv"], grad, st["exp_avg"], st["exp_avg_scale_inv"],
-                    st["exp_avg_sq"], st["exp_avg_sq_scale_inv"], step=t, lr=lr, beta1=beta1, beta2=beta2,
-                    eps=eps, weight_decay=wd, grad_scale_inv=grad_sinv, param_scale=w_scale,
-                    exp_avg_scale=m_scale, exp_avg_sq_scale=v_scale, exp_avg_fmt=self.exp_avg_fmt,
-                    rounding=self.rounding, seed=seed,
-                )
-                st["master_scale_inv"] = res.param_scale_inv.cpu()
-                st["exp_avg_scale_inv"] = res.exp_avg_scale_inv.cpu()
-                st["exp_avg_sq_scale_inv"] = res.exp_avg_sq_scale_inv.cpu()
-                st["w_amax"], st["m_amax"], st["v_amax"] = (
-                    res.param_amax.cpu(), res.exp_avg_amax.cpu(), res.exp_avg_sq_amax.cpu())
-                p.copy_(st["master"].float() * st["master_scale_inv"].to(p.device))
+                work.append((index, group, p, _local(grad), float(np.float32(float(grad_sinv) * float(grad_scale)))))
+        g_amaxes = _global_max([self.backend.amax(g) for _, _, _, g, _ in work], [p for _, _, p, _, _ in work])
+        results = []
+        for (index, group, p, grad, grad_sinv), g_amax in zip(work, g_amaxes):
+            beta1, beta2 = group["betas"]
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            st = self.state[p]
+            st["step"] += 1
+            t = st["step"]
+            g_amax = g_amax * abs(grad_sinv)
+            m_bound = beta1 * float(st["m_amax"]) * (1 + 2.0**-3) + (1 - beta1) * g_amax
+            v_bound = beta2 * float(st["v_amax"]) + (1 - beta2) * g_amax * g_amax
+            w_bound = float(st["w_amax"]) * abs(1 - lr * wd) + 2.0 * lr * update_bound(t, beta1, beta2)
+            w_scale = _pow2_scale(w_bound * (1 + 2.0**-8), _FP16, 1.0 / float(st["master_scale_inv"]))
+            m_scale = _pow2_scale(m_bound * (1 + 2.0**-8), self.exp_avg_fmt, 1.0 / float(st["exp_avg_scale_inv"]))
+            v_scale = _pow2_scale(v_bound * (1 + 2.0**-8), _FP16, 1.0 / float(st["exp_avg_sq_scale_inv"]))
+            seed = None
+            if self.rounding == "stochastic":
+                seed = (self.seed * 0x9E3779B1 + t * 0x85EBCA77 + 3 * index) % 2**62
+            master = _local(st["master"])
+            res = self.backend.adam_step(
+                master, st["master_scale_inv"], grad, _local(st["exp_avg"]), st["exp_avg_scale_inv"],
+                _local(st["exp_avg_sq"]), st["exp_avg_sq_scale_inv"], step=t, lr=lr, beta1=beta1, beta2=beta2,
+                eps=eps, weight_decay=wd, grad_scale_inv=grad_sinv, param_scale=w_scale,
+                exp_avg_scale=m_scale, exp_avg_sq_scale=v_scale, exp_avg_fmt=self.exp_avg_fmt,
+                rounding=self.rounding, seed=seed,
+            )
+            dev = master.device
+            st["master_scale_inv"] = res.param_scale_inv.to(dev)
+            st["exp_avg_scale_inv"] = res.exp_avg_scale_inv.to(dev)
+            st["exp_avg_sq_scale_inv"] = res.exp_avg_sq_scale_inv.to(dev)
+            local_data(p).copy_(master.float() * st["master_scale_inv"])
+            results.append((p, st, res))
+        amaxes = _global_max([a for _, _, r in results for a in (r.param_amax, r.exp_avg_amax, r.exp_avg_sq_amax)],
+                             [p for p, _, _ in results for _ in range(3)])
+        for i, (_, st, _) in enumerate(results):
+            dev = st["master_scale_inv"].device
+            st["w_amax"], st["m_amax"], st["v_amax"] = (torch.tensor(a, dtype=torch.float32, device=dev)
+                                                         for a in amaxes[3 * i : 3 * i + 3])
         return loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A state or gradient tensor's local data (a DTensor's shard)."""
+    from fp8sim.training.fsdp_fp8 import local_data
+
+    return local_data(t)
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a state tensor of ``p``: a DTensor with ``p``'s mesh and placements when ``p``
+    is sharded (so checkpoints reshard it), else ``local`` itself."""
+    if not is_dtensor(p):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _global_max(amaxes: list[torch.Tensor], params: list[torch.Tensor]) -> list[float]:
+    """Each amax as a float, MAX-reduced (NaN-aware, :func:`fp8sim.quantizer.max_across`) over
+    every dimension of its parameter's device mesh when the parameter is a DTensor: one
+    ``all_reduce`` per mesh dimension for all of them."""
+    out = [float(a) for a in amaxes]
+    meshes: dict[int, tuple[Any, list[int]]] = {}
+    for i, p in enumerate(params):
+        if is_dtensor(p):
+            meshes.setdefault(id(p.device_mesh), (p.device_mesh, []))[1].append(i)
+    if not meshes:
+        return out
+    from fp8sim.quantizer import max_across
+
+    for mesh, idx in meshes.values():
+        vals = torch.stack([amaxes[i].detach().reshape(()).to(torch.float32) for i in idx])
+        for dim in range(mesh.ndim):
+            vals = max_across(mesh.get_group(dim))(vals)
+        for i, v in zip(idx, vals.tolist()):
+            out[i] = v
+    return out

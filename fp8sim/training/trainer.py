@@ -79,11 +79,13 @@ def memory_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 
 @torch.no_grad()
-def mean_val_loss(model, corpus, cfg, fp8, autocast) -> float:
+def mean_val_loss(model, corpus, cfg, fp8, autocast, device: str | torch.device = "cpu") -> float:
     """Mean validation loss of ``model`` over ``cfg.eval_batches`` fixed batches of ``corpus``.
 
     ``fp8`` (the converted model's FP8 state, or None) stops observing meanwhile, so evaluation
-    never updates scaling policies; ``autocast()`` gives the recipe's autocast context.
+    never updates scaling policies; ``autocast()`` gives the recipe's autocast context. In a
+    data-parallel run every rank evaluates (FSDP2's all-gathers and the amax reductions are
+    collectives); the batches go to ``device``.
     """
     model.eval()
     if fp8 is not None:
@@ -92,13 +94,27 @@ def mean_val_loss(model, corpus, cfg, fp8, autocast) -> float:
         losses = []
         for i in range(cfg.eval_batches):
             x, y = get_batch(corpus, "val", i, cfg.batch_size, cfg.model.block_size, cfg.seed)
+            x, y = x.to(device), y.to(device)
             with autocast():
                 losses.append(float(model(x, y)[1]))
     finally:
         if fp8 is not None:
             fp8.observing = True
         model.train()
+        _reshard(model)
     return sum(losses) / len(losses)
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """FSDP2 keeps the root's parameters gathered after a forward without backward (evaluation):
+    shard them again, so the model's parameters are the optimizer's and memory counts shards."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def needs_data_parallel(recipe) -> bool:
@@ -113,8 +129,8 @@ class Trainer:
     The one training loop, for one process and for every rank of a data-parallel run. Without
     ``data_parallel`` it trains in this process and checkpoints to ``out_dir/checkpoint.pt``. With
     a :class:`~fp8sim.training.distributed.DataParallel` it is one rank of ``world``: it trains on
-    its rows of every batch, the object does the gradient communication (DDP, FP8-LM's FP8
-    all-reduce, ZeRO) and the loop checkpoints one file per rank; rank 0 writes the metrics.
+    its rows of every batch, the object does the gradient communication (DDP with FP8-LM's FP8
+    all-reduce, FSDP2 for O3) and the loop checkpoints with DCP; rank 0 writes the metrics.
 
     ``resume=True`` continues from the run's last checkpoint; its config must equal ``cfg``
     exactly (the learning-rate schedule depends on ``steps``, batches on ``seed``, ...), or be
@@ -129,6 +145,8 @@ class Trainer:
     ``run_options`` (optional): what config.json stores besides the config (the command line's
     options, :data:`fp8sim.commands.train.RUN_OPTIONS`); None keeps those stored there.
     ``run_id``: a fresh run's identity (default: a new one); a run that has begun keeps its own.
+    ``device``: where the model, the batches, the optimizer state and the FP8 state live (``cpu``,
+    ``cuda``, ``cuda:N``; a data-parallel rank's ``cuda`` is its ``cuda:LOCAL_RANK``).
     """
 
     def __init__(
@@ -143,7 +161,12 @@ class Trainer:
         start: str | None = None,
         run_options: dict | None = None,
         run_id: str | None = None,
+        device: str = "cpu",
     ) -> None:
+        from fp8sim.training.distributed import check_device, rank_device
+
+        check_device(device)
+        self.device = rank_device(device)
         self.cfg = cfg
         self.out = Path(out_dir)
         self.dp = dp = data_parallel
@@ -157,18 +180,22 @@ class Trainer:
         self.corpus = corpus if corpus is not None else load_corpus(cfg.data, max_bytes=cfg.max_bytes)
         self.corpus.check_block_size(cfg.model.block_size)
         torch.manual_seed(cfg.seed)
-        self.model = GPT(cfg.model)
+        self.model = GPT(cfg.model).to(self.device)  # initialised on the CPU (the seed's numbers), then moved
         if self.recipe.is_fp8:
             # the linear level; the FP8-LM levels are the data-parallel trainer's (dp.attach)
-            convert_to_fp8(self.model, self.recipe.linear, cfg.backend, gemm_accumulate=cfg.gemm_accumulate)
+            # the amaxes MAX-reduced over the run's ranks (TE's amax reduction group); one rank: none,
+            # even inside a larger process group (a test's single-process reference)
+            group = torch.distributed.group.WORLD if dp is not None and dp.world > 1 else None
+            convert_to_fp8(self.model, self.recipe.linear, cfg.backend, gemm_accumulate=cfg.gemm_accumulate,
+                           amax_reduction=group)
         self.fp8 = get_fp8_state(self.model)
-        self.params = list(self.model.parameters())
         hp = {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
         if dp is None:
             self.module: torch.nn.Module = self.model  # what the training forward goes through
-            self.optimizer: Any = torch.optim.AdamW(self.params, **hp, foreach=False)
-        else:  # DDP (with the FP8 all-reduce hook) and, under FP8-LM O2/O3, the FP8 optimizer or ZeRO
+            self.optimizer: Any = torch.optim.AdamW(self.model.parameters(), **hp, foreach=False)
+        else:  # DDP (with the FP8 all-reduce hook) or, under FP8-LM O3, FSDP2; FP8-LM's optimizer
             self.module, self.optimizer = dp.attach(self.model, self.recipe, cfg, hp)
+        self.params = list(self.model.parameters())  # FSDP2's sharded parameters when it shards
         if start is None:
             start = start_mode(self.out, resume, data_parallel=dp is not None, config=cfg)
         self.start_step = 0
@@ -188,23 +215,24 @@ class Trainer:
         self.recorder = recorder_factory(self.model) if recorder_factory and not self.finished else None
         if start != "fresh" and self.recorder is not None:
             self.recorder.truncate_after(self.start_step)  # the steps after it are recorded again
-            if ck is not None and ck.get("recorder"):
-                self.recorder.load_state_dict(ck["recorder"])
+            rec = None if ck is None else ck.get("recorder" if self.dp is None else f"recorder_rank{self.rank}")
+            if rec:
+                self.recorder.load_state_dict(rec)
 
     # -- checkpoints ------------------------------------------------------------------------
     def _resume(self) -> dict:
-        """Restore the last checkpoint (a data-parallel run's: this rank's file, and the model
-        from rank 0's); returns this rank's payload. A checkpoint whose contents do not fit the
-        run (a missing key, a tensor of another shape, a step outside ``0..steps``) raises
-        ValueError naming its file: damaged input, never a crash."""
+        """Restore the last checkpoint (a data-parallel run's: DCP's, into this rank's model and
+        optimizer); returns its payload. A checkpoint whose contents do not fit the run (a missing
+        key, a tensor of another shape, a step outside ``0..steps``) raises ValueError naming its
+        file: damaged input, never a crash."""
         if self.dp is None:
-            ck = first = load_checkpoint(self.out)
+            ck = load_checkpoint(self.out)
             where = self.out / CHECKPOINT_NAME
         else:
-            ck, first = self.dp.load_checkpoint(self.out)
-            from fp8sim.training.dist_checkpoint import CHECKPOINT_DIR
+            from fp8sim.training.dist_checkpoint import CHECKPOINT_DIR, latest_checkpoint
 
-            where = self.out / CHECKPOINT_DIR / f"step{ck['step']:08d}" / f"rank{self.rank}.pt"
+            where = self.out / CHECKPOINT_DIR / f"step{latest_checkpoint(self.out)['step']:08d}"
+            ck = self.dp.read_checkpoint(self.out)  # its plain entries, checked before anything is restored
         try:
             written_by = stored_config(ck["config"], like=self.cfg)
         except (ConfigError, TypeError) as exc:
@@ -215,21 +243,21 @@ class Trainer:
         if not self.cfg.continues(written_by):
             diff = sorted(k for k, v in self.cfg.to_dict().items() if written_by.to_dict().get(k) != v)
             raise ValueError(f"--resume: {self.out}: checkpoint was written by a different config (differs in {diff})")
-        if first.get("run_id") is not None and first["run_id"] != self.run_id:  # rank 0's says for the run
-            raise ValueError(f"--resume: {where} is a checkpoint of another run (run id {first['run_id']}) than "
+        if ck.get("run_id") is not None and ck["run_id"] != self.run_id:  # rank 0's says for the run
+            raise ValueError(f"--resume: {where} is a checkpoint of another run (run id {ck['run_id']}) than "
                              f"the one in {self.out} (run id {self.run_id}, config.json); refused (nothing changed)")
         if not 0 <= ck["step"] <= self.cfg.steps:  # an int (load_payload): -4 would train at lr <= 0
             raise ValueError(f"{where}: corrupt checkpoint: step {ck['step']} is outside 0..{self.cfg.steps}")
         _check_corpus(self.out, ck, self.corpus)
         try:
-            with torch.no_grad():
-                self.model.load_state_dict(first["model"])
             if self.dp is None:
+                with torch.no_grad():
+                    self.model.load_state_dict(ck["model"])
                 self.optimizer.load_state_dict(ck["optimizer"])
-            else:  # options checked; the optimizer (rank 0's, or this rank's ZeRO shard), AutoScale
-                self.dp.load_state_dict(ck, first, self.optimizer)
-            if self.fp8 is not None:
-                self.fp8.load_state_dict(ck["policies"])
+                if self.fp8 is not None:
+                    self.fp8.load_state_dict(ck["policies"])
+            else:  # model, optimizer, FP8 state, reducer (DCP reshards them)
+                self.dp.restore_checkpoint(self.out)
             restore_rng(ck["rng"])
             _check_restored(self.optimizer)
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError,
@@ -259,16 +287,15 @@ class Trainer:
                             config=self.cfg.to_dict(),
                             extra={"corpus": self.corpus.fingerprint, "run_id": self.run_id, **recorder})
             return
+        recorder = {f"recorder_rank{self.rank}": recorder["recorder"]} if recorder else {}  # one trace per rank
         self.dp.save_checkpoint(self.out, step, {
-            "config": self.cfg.to_dict(), "rng": capture_rng(), "policies": policies, "corpus": self.corpus.fingerprint,
-            "run_id": self.run_id,
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "recorder": None, **recorder,
-        })  # fmt: skip
+            "config": self.cfg.to_dict(), "rng": capture_rng(), "corpus": self.corpus.fingerprint,
+            "run_id": self.run_id, **recorder})  # fmt: skip
 
     # -- steps ------------------------------------------------------------------------------
     def _autocast(self):
         if self.recipe.autocast == "bfloat16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def forward_backward(self, step: int) -> torch.Tensor:
@@ -277,6 +304,7 @@ class Trainer:
         the reducer's stash)."""
         cfg = self.cfg
         x, y = get_batch(self.corpus, "train", step - 1, cfg.batch_size, cfg.model.block_size, cfg.seed)  # (B, T)
+        x, y = x.to(self.device), y.to(self.device)
         if self.dp is not None:
             x, y = self.dp.local_rows(x), self.dp.local_rows(y)  # (B / world, T)
             self.dp.begin_step()
@@ -289,9 +317,7 @@ class Trainer:
             p.grad = None
         with self._autocast():
             _, loss = self.module(x, y)
-        loss.backward()  # under DDP: the gradients are all-reduced (the FP8 hook) during backward
-        if self.dp is not None:
-            self.dp.end_backward(self.params)
+        loss.backward()  # DDP / FSDP2: the gradients are reduced (FP8: the hook, the reduce-scatter) here
         if self.recorder is not None:
             self.recorder.end_step(step)
         return loss
@@ -305,8 +331,8 @@ class Trainer:
             g["lr"] = lr
         loss = self.forward_backward(step)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        if self.dp is not None and self.dp.fp8_optimizer:  # gradients in the reducer's stash
-            grad_norm = self.dp.clip_and_step(max_norm)
+        if self.dp is not None:  # FP8-LM: the gradients in the reducer's stash, clipping in their scales
+            grad_norm = self.dp.step(self.params, max_norm)
         else:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             self.optimizer.step()
@@ -319,7 +345,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_batches`` fixed batches (policies not updated)."""
-        return mean_val_loss(self.model, self.corpus, self.cfg, self.fp8, self._autocast)
+        return mean_val_loss(self.model, self.corpus, self.cfg, self.fp8, self._autocast, self.device)
 
     def run(self, *, progress: bool | None = None, stop_after: int | None = None) -> dict:
         """Train from the current step to ``cfg.steps`` (or through ``stop_after``, as if killed
@@ -348,9 +374,9 @@ class Trainer:
                 row = self.train_step(step)
                 done = step
                 final = step == cfg.steps
+                if final or (cfg.eval_every and step % cfg.eval_every == 0):
+                    row["val_loss"] = self.evaluate()  # every rank: the casts' amax reductions are collectives
                 if self.rank == 0:
-                    if final or (cfg.eval_every and step % cfg.eval_every == 0):
-                        row["val_loss"] = self.evaluate()
                     append_line(self.out / "metrics.jsonl", json.dumps(row) + "\n")  # whole or absent
                 if final:  # run.json before the final checkpoint: a run killed in between
                     # resumes before the final step and writes it again; one resumed after it
