@@ -81,6 +81,22 @@ def test_resume_forgets_neither_record_nor_save_every(tmp_path, capsys, corpus, 
     assert rc == 2 and "--save-every 3: the run in --out was trained with 2; leave the option out" in err
 
 
+def test_an_extended_recorded_run_appends_to_its_own_trace(tmp_path, capsys, corpus):
+    """Extending a run changes its config (its steps): the trace is still its own (the run id says
+    so), and the extension's steps are appended; another run's trace is still refused."""
+    from fp8sim.trace import TraceReader
+
+    out, t = tmp_path / "run", tmp_path / "t"
+    assert train(capsys, "--data", corpus, *SMALL, "--recipe", "te-delayed", "--steps", 2, "--out", out,
+                 "--record", t)[0] == 0  # fmt: skip
+    rc, err = train(capsys, "--resume", "--out", out, "--steps", 3)
+    assert rc == 0, err
+    assert TraceReader(t).steps().tolist() == [1, 2, 3]
+    other = tmp_path / "other"
+    assert train(capsys, "--data", corpus, *SMALL, "--recipe", "te-delayed", "--steps", 1, "--out", other,
+                 "--record", t)[0] == 2  # fmt: skip
+
+
 def _files(*roots) -> dict:
     return {p: (p.read_bytes(), p.stat().st_mtime_ns) for r in roots for p in sorted(r.rglob("*")) if p.is_file()}
 

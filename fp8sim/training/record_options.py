@@ -59,9 +59,9 @@ def select_layers(layers: LayerFilter | None, candidates: list[tuple[str, nn.Mod
 
 
 def check_same_run(path: Path, meta: dict) -> None:
-    """Refuse to append to (and so cut back) a trace that another run recorded: the run config,
-    run directory (as a real path), rank and world stored in its trace.json must be this run's
-    where both say."""
+    """Refuse to append to (and so cut back) a trace that another run recorded: the run id (else
+    the run config: a run's config changes when it is extended), run directory (as a real path),
+    rank and world stored in its trace.json must be this run's where both say."""
     import json
 
     from fp8sim.input_files import read_json
@@ -76,8 +76,12 @@ def check_same_run(path: Path, meta: dict) -> None:
         "run_dir": lambda a, b: os.path.realpath(str(a)) == os.path.realpath(str(b)),
         "rank": lambda a, b: a == b,
         "world": lambda a, b: a == b,
+        "run_id": lambda a, b: a is None or b is None or a == b,
     }
+    ids = isinstance(old, dict) and bool(old.get("run_id")) and bool(meta.get("run_id"))
     for key, eq in same.items():
+        if key == "run" and ids:
+            continue  # the run's identity says it
         if isinstance(old, dict) and key in old and key in meta and not eq(old[key], meta[key]):
             raise ValueError(f"--record {path}: holds the trace of another run (its {key} differs: "
                              f"{str(old[key])[:80]}); a resumed run appends only to its own trace")  # fmt: skip
