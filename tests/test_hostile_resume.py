@@ -97,13 +97,6 @@ def test_an_extended_recorded_run_appends_to_its_own_trace(tmp_path, capsys, cor
                  "--record", t)[0] == 2  # fmt: skip
 
 
-def test_a_trace_inside_the_run_directory_is_refused_in_words(tmp_path, capsys, corpus):
-    out = tmp_path / "run"
-    rc, err = train(capsys, "--data", corpus, *SMALL, "--recipe", "te-delayed", "--steps", 1, "--out", out,
-                    "--record", out / "trace")  # fmt: skip
-    assert rc == 2 and "inside --out" in err and not out.exists()  # said before anything is made
-
-
 def _files(*roots) -> dict:
     return {p: (p.read_bytes(), p.stat().st_mtime_ns) for r in roots for p in sorted(r.rglob("*")) if p.is_file()}
 

@@ -287,9 +287,6 @@ def run_train(args: argparse.Namespace) -> int:
     if env:  # the ranks come from the environment
         opts["nproc"] = env[1]
     _check_outside_data(cfg.data, {"--out": out, "--record": opts["record"]})
-    if opts["record"] is not None and _inside(Path(opts["record"]), out):
-        raise ValueError(f"--record {opts['record']}: inside --out {out}; the run directory holds the run's own "
-                         "files only: record into a directory of its own (beside the run)")  # fmt: skip
     if opts["record"] is not None and not args.resume and not run_begun(out):  # before config.json
         rec = Path(opts["record"])
         if (rec / "trace.json").exists() or (rec / "rank0" / "trace.json").exists():
@@ -304,12 +301,6 @@ def run_train(args: argparse.Namespace) -> int:
     if summary is not None:
         _print_summary(args, summary, out)
     return 0
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    """Whether ``path`` is ``directory`` or lies below it (real paths: links followed)."""
-    p, d = os.path.realpath(path), os.path.realpath(directory)
-    return p == d or p.startswith(d.rstrip(os.sep) + os.sep)
 
 
 def _train(args: argparse.Namespace, cfg, out: Path, opts: dict, r, env, run_id: str) -> dict | None:
