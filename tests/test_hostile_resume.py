@@ -97,6 +97,24 @@ def test_an_extended_recorded_run_appends_to_its_own_trace(tmp_path, capsys, cor
                  "--record", t)[0] == 2  # fmt: skip
 
 
+def test_a_trace_inside_the_run_directory_starts_and_extends(tmp_path, capsys, corpus):
+    """--record inside --out: the fresh start ignores the trace directory it just made (and only
+    that: another entry is still refused), and an extension appends to it."""
+    from fp8sim.trace import TraceReader
+
+    out = tmp_path / "run"
+    rc, err = train(capsys, "--data", corpus, *SMALL, "--recipe", "te-delayed", "--steps", 1, "--out", out,
+                    "--record", out / "trace")  # fmt: skip
+    assert rc == 0, err
+    assert train(capsys, "--resume", "--out", out, "--steps", 2)[0] == 0
+    assert TraceReader(out / "trace").steps().tolist() == [1, 2]
+    other = tmp_path / "other"
+    (other / "notes").mkdir(parents=True)
+    (other / "notes" / "mine.txt").write_text("mine")
+    rc, err = train(capsys, "--data", corpus, *SMALL, "--steps", 1, "--out", other, "--record", other / "trace")
+    assert rc == 2 and "exists and is not empty" in err and (other / "notes" / "mine.txt").read_text() == "mine"
+
+
 def _files(*roots) -> dict:
     return {p: (p.read_bytes(), p.stat().st_mtime_ns) for r in roots for p in sorted(r.rglob("*")) if p.is_file()}
 

@@ -509,7 +509,7 @@ def _start_run(out: Any, cfg_dict: dict, opts: dict, world: int) -> tuple[str, s
     from fp8sim.training.run_dir import new_run_id, read_run_identity, start_mode, write_run_config
 
     cfg = TrainConfig.from_dict(cfg_dict)
-    start = start_mode(out, opts["resume"], data_parallel=True, config=cfg)
+    start = start_mode(out, opts["resume"], data_parallel=True, config=cfg, own=opts.get("record"))
     try:  # a resumed or restarted run keeps its identity
         run_id = read_run_identity(out)[1] if start != "fresh" else None
     except FileNotFoundError:

@@ -160,12 +160,31 @@ def check_metrics_cover(out: Path, rows: list[dict], step: int, where: Path) -> 
                          f"{step}: they are not of one run; refused (nothing changed)")  # fmt: skip
 
 
+def _own_entry(out: Path, own: str | os.PathLike | None) -> str | None:
+    """The entry of ``out`` that holds ``own`` (the run's ``--record`` directory), if it lies
+    below ``out`` (real paths)."""
+    if own is None:
+        return None
+    o, d = os.path.realpath(own), os.path.realpath(out)
+    if not o.startswith(d.rstrip(os.sep) + os.sep):
+        return None
+    return os.path.relpath(o, d).split(os.sep)[0]
+
+
+def _only_empty_directories(path: Path) -> bool:
+    """Whether ``path`` is a directory (not a link) holding nothing but empty directories."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return all(_only_empty_directories(p) for p in path.iterdir())
+
+
 def run_begun(out: Path) -> bool:
     """Whether a run has begun in ``out``: its config.json (or metrics.jsonl) is there."""
     return (out / "metrics.jsonl").is_file() or (out / RUN_CONFIG).is_file()
 
 
-def start_mode(out: Path, resume: bool, *, data_parallel: bool, config: TrainConfig | None = None) -> str:
+def start_mode(out: Path, resume: bool, *, data_parallel: bool, config: TrainConfig | None = None,
+               own: str | os.PathLike | None = None) -> str:
     """How a run in ``out`` starts: ``"fresh"``, ``"resume"`` (from its checkpoint) or
     ``"restart"`` (``--resume`` of a run killed before its first checkpoint: nothing to resume,
     so it starts again from step 0; said on stderr). A run has begun in ``out`` once its
@@ -183,6 +202,9 @@ def start_mode(out: Path, resume: bool, *, data_parallel: bool, config: TrainCon
         if begun:
             raise ValueError(f"{out} already holds a run; resume it (--resume) or choose another output directory")
         entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+        mine = _own_entry(out, own)
+        if mine in entries and _only_empty_directories(out / mine):
+            entries.remove(mine)  # this run's trace directory inside --out, just made (and held)
         if entries:
             raise ValueError(f"--out {out}: exists and is not empty ({len(entries)} entries, e.g. "
                              f"{entries[0]!r}); a new run goes into a new or empty directory")  # fmt: skip

@@ -197,7 +197,8 @@ class Trainer:
             self.module, self.optimizer = dp.attach(self.model, self.recipe, cfg, hp)
         self.params = list(self.model.parameters())  # FSDP2's sharded parameters when it shards
         if start is None:
-            start = start_mode(self.out, resume, data_parallel=dp is not None, config=cfg)
+            start = start_mode(self.out, resume, data_parallel=dp is not None, config=cfg,
+                               own=(run_options or {}).get("record"))  # fmt: skip
         self.start_step = 0
         stored = _stored_identity(self.out, fresh=start == "fresh" and dp is None)
         self.run_id = stored[0] or run_id or new_run_id()
