@@ -52,6 +52,8 @@ def _available(entry) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_codes_equal_the_reference(entry, fmt):
     _available(entry)
+    if entry.name == "backend-triton" and get_format(fmt).bits > 8:
+        pytest.skip("the interpreter is slow on 16-bit edge sets; test_backends.py checks fp16/bf16 in Triton")
     x = _inputs(fmt)
     offered = 0
     for rounding in entry.roundings:

@@ -22,19 +22,39 @@ from fp8sim.scaling_config import TorchaoScalingConfig
 from fp8sim.scaling_torch import torchao_scale
 
 VECTORS = Path(__file__).parent / "vectors" / "torchao_float8_reference.safetensors"
+#: the end-to-end vectors hold torch's CPU reductions, whose bits depend on the capability its
+#: kernels run with (make_torchao_vectors.py): one file per capability, made by the same script
+VECTORS_BY_CAPABILITY = {"AVX512": VECTORS,
+                         "AVX2": VECTORS.with_name("torchao_float8_reference_avx2.safetensors")}  # fmt: skip
 RECIPES = {"tensorwise": "torchao-tensorwise", "rowwise": "torchao-rowwise",
            "rowwise_with_gw_hp": "torchao-rowwise-gw-hp"}
 PROBE = "model.layers.0.self_attn.k_proj"
 
 
-@pytest.fixture(scope="module")
-def ref():
+def _read(path: Path) -> tuple[dict, dict]:
     from safetensors import safe_open
 
-    with safe_open(str(VECTORS), "pt") as f:
+    with safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["reference"])
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     return meta, tensors
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return _read(VECTORS)
+
+
+@pytest.fixture(scope="module")
+def ref_here():
+    """The vectors made with this machine's torch CPU capability (skip if none were)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in VECTORS_BY_CAPABILITY:
+        pytest.skip(f"no torchao vectors for torch's CPU capability {cap} (made for: "
+                    f"{', '.join(VECTORS_BY_CAPABILITY)})")
+    meta, t = _read(VECTORS_BY_CAPABILITY[cap])
+    assert f"torch cpu capability {cap};" in meta["cpu"]  # the file is what its name says
+    return meta, t
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -101,11 +121,8 @@ def _llama(meta: dict, init: dict):
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_a_tiny_llama_trains_as_torchao_does_bit_for_bit(ref, recipe):
-    meta, t = ref
-    if f"AVX512" not in meta["cpu"] or torch.backends.cpu.get_cpu_capability() != "AVX512":
-        pytest.skip(f"the vectors hold CPU reductions of torch's {meta['cpu']}; this machine's torch runs "
-                    f"{torch.backends.cpu.get_cpu_capability()}")
+def test_a_tiny_llama_trains_as_torchao_does_bit_for_bit(ref_here, recipe):
+    meta, t = ref_here
     from fp8sim.training import convert_to_fp8
 
     threads = torch.get_num_threads()

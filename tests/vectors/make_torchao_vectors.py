@@ -15,6 +15,8 @@ are committed with this script. Run it in a scratch environment::
     pip install torch==2.13.0 && pip install torchao==0.18.0 transformers safetensors numpy
     python tests/vectors/make_torchao_vectors.py           # writes the file, prints a summary
     python tests/vectors/make_torchao_vectors.py --check   # two fresh runs: same bytes as the file
+    # on a machine whose torch runs AVX2 (the end-to-end test picks the file of its capability):
+    python tests/vectors/make_torchao_vectors.py --out tests/vectors/torchao_float8_reference_avx2.safetensors
 
 Reproducibility: one CPU thread (``torch.set_num_threads(1)``, so each CPU GEMM and reduction
 sums in one fixed order), deterministic algorithms, the single-tensor AdamW (``foreach=False,
