@@ -18,7 +18,6 @@ import math
 import os
 import re
 import tempfile
-import textwrap
 from typing import Sequence
 
 import numpy as np

@@ -3,10 +3,7 @@
 Also holds the tiny Hugging Face model builders the other test_byom_* files import.
 """
 
-import os
-import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn

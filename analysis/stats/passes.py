@@ -20,7 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from fp8sim.analysis.stats.blocks import BLOCK, HIGH_EXP, N_HIST_COPIES, N_LOG2
+from fp8sim.analysis.stats.blocks import BLOCK, N_HIST_COPIES, N_LOG2
 from fp8sim.analysis.stats.blocks import cast_figures, pairwise_sum, scan_figures, tile_amax
 from fp8sim._numba.jit import PARALLEL_MIN_ELEMENTS, jit_kernel, jit_serial, serial_twin
 from fp8sim.trace import EXPONENT_MIN

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 
-from fp8sim.trace.layout import is_trace
 from fp8sim.trace.reader import TraceReader, TraceRecord
 from fp8sim.trace.statistics import HistogramCounts
 from fp8sim.trace.writer import TraceWriter

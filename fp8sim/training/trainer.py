@@ -34,7 +34,7 @@ from fp8sim.training.checkpoint import CHECKPOINT_NAME, capture_rng, load_checkp
 from fp8sim.training.data import ByteCorpus, get_batch, load_corpus
 from fp8sim.training.convert import convert_to_fp8, get_fp8_state
 from fp8sim.training.config import BACKENDS, ConfigError, TrainConfig
-from fp8sim.training.model import GPT, GPTConfig
+from fp8sim.training.model import GPT
 from fp8sim.recipes import get_recipe
 from fp8sim.training.run_dir import (  # noqa: F401  (check_summary, run_begun, start_mode: also importable here)
     check_metrics_cover,
