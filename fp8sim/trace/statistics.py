@@ -78,6 +78,17 @@ class HistogramCounts:
 _bin_id = jit_inline(bin_id)
 
 
+@jit_inline
+def _store_counts(stats, p, zero, nan, inf, over, under):
+    """Part ``p``'s counts into row ``p`` of the kernels' ``stats`` (zero, nan, inf, overflow,
+    underflow)."""
+    stats[p, 0] = zero
+    stats[p, 1] = nan
+    stats[p, 2] = inf
+    stats[p, 3] = over
+    stats[p, 4] = under
+
+
 @jit_kernel
 def _abs_hist_kernel(x, scale, ov_at, ov_tie, un_at, un_tie, k, n_bins, n_parts):
     """One pass over flat ``x`` (float32 or float64): per part a dense |x| histogram, and counts.
@@ -132,11 +143,7 @@ def _abs_hist_kernel(x, scale, ov_at, ov_tie, un_at, un_tie, k, n_bins, n_parts)
                 over += 1
             elif q < un_at or (un_tie and q == un_at):
                 under += 1
-        stats[p, 0] = zero
-        stats[p, 1] = nan
-        stats[p, 2] = inf
-        stats[p, 3] = over
-        stats[p, 4] = under
+        _store_counts(stats, p, zero, nan, inf, over, under)
         amax[p] = mx
     return hist, stats, amax
 
@@ -196,11 +203,7 @@ def _abs_hist_kernel_f32(x, u, over_from, under_to, k, n_bins, n_parts):
                 over += 1
             elif a <= under_to:
                 under += 1
-        stats[p, 0] = zero
-        stats[p, 1] = nan
-        stats[p, 2] = inf
-        stats[p, 3] = over
-        stats[p, 4] = under
+        _store_counts(stats, p, zero, nan, inf, over, under)
         amax[p] = abs(np.float64(x[at])) if at >= 0 else 0.0
     return hist, stats, amax
 
